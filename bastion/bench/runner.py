@@ -1,0 +1,118 @@
+"""Run methods on the same prompts in one process and record every prompt as it finishes.
+
+Fairness: every method (AR included) decodes the same prompts with the same target on the
+same machine in the same run, after an untimed warm-up, with the device synchronised before
+each timer read (engine.py). Nothing is lost: a record is appended and flushed per prompt,
+and a rerun in the same directory skips what is already recorded.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+from tqdm import tqdm
+
+from bastion.bench.datasets import Prompt, chat_tokens
+from bastion.bench.metrics import summarize
+from bastion.engine import generate
+from bastion.models.target import Target
+
+
+@dataclass
+class Method:
+    """One decoding method: AR is the one without a drafter."""
+
+    name: str
+    drafter: object | None = None
+    policy: object | None = None
+    budget: object | None = None
+
+    def generate(self, target: Target, prompts: list[list[int]], max_new_tokens: int):
+        return generate(target, prompts, drafter=self.drafter, policy=self.policy, budget=self.budget, max_new_tokens=max_new_tokens)
+
+
+def read_records(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    records = []
+    with open(path) as f:
+        for line in f:
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass  # a line cut short by a kill: that prompt simply runs again
+    return records
+
+
+def run_methods(
+    target: Target,
+    methods: list[Method],
+    prompts: list[Prompt],
+    bench: str,
+    out_dir: Path,
+    max_new_tokens: int,
+    batch_size: int = 1,
+    warmup: bool = True,
+) -> pd.DataFrame:
+    """Decode `prompts` with every method; append records to out_dir/results.jsonl and return
+    the summary (also written to out_dir/summary.csv)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results = out_dir / "results.jsonl"
+    done = {(r["method"], r["bench"], r["prompt_id"]) for r in read_records(results)}
+    if warmup:
+        first = chat_tokens(target.tokenizer, [{"role": "user", "content": prompts[0].turns[0]}])
+        for method in methods:
+            method.generate(target, [first], max_new_tokens=min(8, max_new_tokens))
+    with open(results, "a") as sink:
+        for method in methods:
+            todo = [p for p in prompts if (method.name, bench, p.id) not in done]
+            batches = [todo[i : i + batch_size] for i in range(0, len(todo), batch_size)]
+            for batch in tqdm(batches, desc=f"{bench}/{method.name}", unit="batch", leave=False):
+                for record in decode_batch(target, method, batch, bench, max_new_tokens):
+                    sink.write(json.dumps(record) + "\n")
+                sink.flush()
+    records = pd.DataFrame(read_records(results))
+    summary = summarize(records[records.prompt_id.isin({p.id for p in prompts})])
+    summary.to_csv(out_dir / "summary.csv", index=False)
+    return summary
+
+
+def decode_batch(target: Target, method: Method, batch: list[Prompt], bench: str, max_new_tokens: int) -> list[dict]:
+    """Decode a batch of prompts turn by turn (a later turn sees the model's own earlier answers)."""
+    conversations: list[list[dict]] = [[] for _ in batch]
+    records = [
+        {"method": method.name, "bench": bench, "prompt_id": p.id, "batch_size": len(batch), "turns": len(p.turns),
+         "new_tokens": 0, "steps": 0, "prefill_s": 0.0, "batch_wall_s": 0.0, "tokens": [], "text": [], "finish": [],
+         "produced": [], "tree_sizes": [], "expected": [], "step_s": []}
+        for p in batch
+    ]
+    for turn in range(max(len(p.turns) for p in batch)):
+        rows = [i for i, p in enumerate(batch) if turn < len(p.turns)]
+        for i in rows:
+            conversations[i].append({"role": "user", "content": batch[i].turns[turn]})
+        decoding = method.generate(target, [chat_tokens(target.tokenizer, conversations[i]) for i in rows], max_new_tokens)
+        for row, (i, gen) in enumerate(zip(rows, decoding.generations)):
+            text = target.tokenizer.decode(gen.tokens, skip_special_tokens=True)
+            conversations[i].append({"role": "assistant", "content": text})
+            rec = records[i]
+            rec["tokens"] += gen.tokens
+            rec["text"].append(text)
+            rec["finish"].append(gen.finish)
+            rec["new_tokens"] += len(gen.tokens)
+            rec["steps"] += gen.steps
+            rec["prefill_s"] += decoding.prefill_s
+            rec["batch_wall_s"] += decoding.wall_s
+            for step in decoding.steps:
+                if row in step.rows:
+                    k = step.rows.index(row)
+                    rec["produced"].append(step.produced[k])
+                    rec["tree_sizes"].append(step.tree_sizes[k])
+                    rec["expected"].append(step.expected[k])
+                    rec["step_s"].append(step.draft_s + step.verify_s + step.other_s)
+    batch_id = f"{bench}/{batch[0].id}"
+    for rec in records:
+        rec["batch_id"] = batch_id
+    return records

@@ -1,0 +1,211 @@
+"""The decode loop shared by every method.
+
+AR decoding is the same loop with no drafter (each step verifies a root-only tree), DFlash is
+`chain`, BASTION is `best_first` sized by its controller. One step: draft a block, build and
+size the trees, run them through the target in one forward, accept, commit the KV cache.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from bastion.drafters.base import DraftContext, Drafter
+from bastion.models.target import Target
+from bastion.tree.draft_tree import DraftTree, pack
+from bastion.verify import verify_greedy
+
+
+@dataclass
+class Step:
+    """One decode step of the batch: timings in seconds, and per active row what happened."""
+
+    rows: list[int]  # prompt indices active in this step
+    tree_sizes: list[int]  # draft nodes verified per row (root excluded)
+    produced: list[int]  # new tokens per row: accepted draft tokens + bonus (before stop truncation)
+    expected: list[float]  # A_hat of each row's tree
+    draft_s: float
+    verify_s: float
+    other_s: float
+
+
+@dataclass
+class Generation:
+    """One prompt's output."""
+
+    tokens: list[int]  # new tokens, the stopping token included
+    finish: str  # "eos" | "length" | "stop"
+    steps: int = 0  # decode steps (target forwards after prefill) this row took part in
+
+
+@dataclass
+class Decoding:
+    """What `generate` returns: per-prompt outputs and the per-step record of the batch."""
+
+    generations: list[Generation]
+    prefill_s: float
+    steps: list[Step] = field(default_factory=list)
+
+    @property
+    def wall_s(self) -> float:
+        return self.prefill_s + sum(s.draft_s + s.verify_s + s.other_s for s in self.steps)
+
+
+class Stopper:
+    """Decides where a row's output ends: first EOS, max_new_tokens, or a stop string."""
+
+    def __init__(self, eos_ids, max_new_tokens: int, stop_strings=(), tokenizer=None):
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be at least 1 (got {max_new_tokens}).")
+        if stop_strings and tokenizer is None:
+            raise ValueError("stop strings need a tokenizer")
+        self.eos_ids, self.max_new, self.stop_strings, self.tokenizer = set(eos_ids), max_new_tokens, tuple(stop_strings), tokenizer
+
+    def cut(self, tokens: list[int], n_old: int) -> tuple[list[int], str | None]:
+        """tokens = old output + this step's new tokens; returns the kept output and the finish
+        reason, or None while the row goes on."""
+        for i in range(n_old, min(len(tokens), self.max_new)):
+            if tokens[i] in self.eos_ids:
+                return tokens[: i + 1], "eos"
+            if self.stop_strings and self._stops(tokens[: i + 1]):
+                return tokens[: i + 1], "stop"
+        if len(tokens) >= self.max_new:
+            return tokens[: self.max_new], "length"
+        return tokens, None
+
+    def _stops(self, tokens: list[int]) -> bool:
+        tail = self.tokenizer.decode(tokens[-32:])  # stop strings are short; decode only the tail
+        return any(s in tail for s in self.stop_strings)
+
+
+def _now(device: torch.device) -> float:
+    """A timer read that waits for queued device work first, so times are honest on GPUs."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def check_prompts(target: Target, prompts: list[list[int]], max_new_tokens: int) -> None:
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("Every prompt needs at least one token.")
+    longest = max(len(p) for p in prompts)
+    if longest + max_new_tokens > target.args.max_position:
+        raise ValueError(
+            f"A prompt of {longest} tokens plus max_new_tokens={max_new_tokens} exceeds the context of "
+            f"{target.name} ({target.args.max_position} tokens); shorten the prompt or lower max_new_tokens."
+        )
+
+
+@torch.inference_mode()
+def generate(
+    target: Target,
+    prompts: list[list[int]],
+    *,
+    drafter: Drafter | None = None,
+    policy=None,
+    budget=None,
+    max_new_tokens: int = 128,
+    stop_strings: tuple[str, ...] = (),
+) -> Decoding:
+    """Decode a batch of prompts (greedy). Without a drafter this is plain AR decoding."""
+    stopper = Stopper(target.eos_ids, max_new_tokens, stop_strings, target.tokenizer)
+    check_prompts(target, prompts, max_new_tokens)
+    if drafter is not None and (policy is None or budget is None):
+        raise ValueError("A drafter needs a tree policy and a budget controller.")
+    device = target.device
+    capture = tuple(drafter.feature_layers) if drafter else ()
+    max_nodes = budget.max_nodes if drafter else 0
+    capacity = max(len(p) for p in prompts) + max_new_tokens + max_nodes + 1
+    cache = target.new_cache(len(prompts), capacity)
+
+    # Prefill: every prompt in one forward, right-padded; the first new token comes from its last position.
+    t0 = _now(device)
+    width = max(len(p) for p in prompts)
+    tokens = torch.tensor([p + [0] * (width - len(p)) for p in prompts], device=device)
+    depths = torch.arange(width, device=device).expand(len(prompts), width)
+    causal = torch.ones(width, width, dtype=torch.bool, device=device).tril().expand(len(prompts), width, width)
+    hidden, features = target.forward(tokens, depths, causal, cache, capture)
+    cache.commit([list(range(len(p))) for p in prompts])
+    last = torch.tensor([len(p) - 1 for p in prompts], device=device)
+    first = target.logits(hidden[torch.arange(len(prompts), device=device), last]).argmax(-1).tolist()
+    decoding = Decoding([Generation([], "") for _ in prompts], prefill_s=_now(device) - t0)
+
+    active = []  # prompt indices still decoding, in cache-row order
+    for i, token in enumerate(first):
+        out, finish = stopper.cut([token], 0)
+        decoding.generations[i].tokens, decoding.generations[i].finish = out, finish or ""
+        if finish is None:
+            active.append(i)
+    if drafter is not None:
+        drafter.reset(len(prompts))
+    ctx = DraftContext([list(p) + [t] for p, t in zip(prompts, first)], features, [len(p) for p in prompts])
+    _drop_finished(active, list(range(len(prompts))), cache, drafter, ctx)
+
+    while active:
+        t0 = _now(device)
+        roots = [seq[-1] for seq in ctx.sequences]
+        if drafter is None:
+            trees = [DraftTree.root_only(r) for r in roots]
+        else:
+            proposal = drafter.propose(ctx)
+        t1 = _now(device)
+        if drafter is not None:
+            trees = budget.size(policy(proposal, max_nodes))
+        tree_tokens, tree_depths, tree_mask = pack(trees, device)
+        t2 = _now(device)
+        hidden, features = target.forward(tree_tokens, tree_depths, tree_mask, cache, capture)
+        logits = target.logits(hidden)  # [B, M, V]
+        t3 = _now(device)
+        verdicts = verify_greedy(logits, trees)
+        cache.commit([v.path for v in verdicts])
+        if capture:
+            features = _gather_paths(features, [v.path for v in verdicts])
+        ctx = DraftContext([seq + v.tokens for seq, v in zip(ctx.sequences, verdicts)], features, [len(v.path) for v in verdicts])
+        rows, was_active = [], list(active)
+        for row, (i, verdict) in enumerate(zip(was_active, verdicts)):
+            gen = decoding.generations[i]
+            gen.steps += 1
+            gen.tokens, finish = stopper.cut(gen.tokens + verdict.tokens, len(gen.tokens))
+            if finish is None:
+                rows.append(row)
+            else:
+                gen.finish = finish
+        active[:] = [was_active[r] for r in rows]
+        _drop_finished(rows, list(range(len(was_active))), cache, drafter, ctx)
+        t4 = _now(device)
+        decoding.steps.append(
+            Step(
+                rows=was_active,
+                tree_sizes=[t.n_nodes for t in trees],
+                produced=[len(v.tokens) for v in verdicts],
+                expected=[t.expected_accepted() for t in trees],
+                draft_s=t1 - t0,
+                verify_s=t3 - t2,
+                other_s=(t2 - t1) + (t4 - t3),
+            )
+        )
+        if budget is not None:
+            budget.observe(tree_tokens.numel(), t3 - t2)
+    return decoding
+
+
+def _gather_paths(features: torch.Tensor, paths: list[list[int]]) -> torch.Tensor:
+    """features [B, M, F] -> the accepted paths' features [B, A, F], right-padded."""
+    width = max(len(p) for p in paths)
+    index = torch.tensor([p + [p[-1]] * (width - len(p)) for p in paths], device=features.device)
+    return features.gather(1, index[:, :, None].expand(-1, -1, features.shape[-1]))
+
+
+def _drop_finished(keep: list[int], rows: list[int], cache, drafter, ctx: DraftContext) -> None:
+    """Shrink the batch to the rows in `keep` (cache rows, in order) when some finished."""
+    if keep == rows:
+        return
+    cache.keep_rows(keep)
+    if drafter is not None:
+        drafter.keep_rows(keep)
+    ctx.sequences = [ctx.sequences[r] for r in keep]
+    ctx.n_features = [ctx.n_features[r] for r in keep]
+    if ctx.features is not None:
+        ctx.features = ctx.features[keep]

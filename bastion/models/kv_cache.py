@@ -1,0 +1,73 @@
+"""A KV cache whose rows hold different numbers of verified tokens.
+
+Speculative decoding accepts a different number of tokens per row each step, so every row has
+its own length. A forward writes its N tokens (a draft tree, or a prompt chunk) at slots
+length[b] + i; commit() then keeps the accepted ones by moving them down to length[b] ..
+length[b] + n_keep[b] - 1. Slots past a row's length are scratch: masked out and overwritten.
+Lengths live on the host as plain ints, so building a mask never waits for the device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    def __init__(self, n_layers, batch, n_kv_heads, head_dim, capacity, dtype, device):
+        shape = (n_layers, batch, n_kv_heads, capacity, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, B, Hkv, S, D]
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.lengths = [0] * batch  # verified tokens per row
+        self.capacity = capacity
+
+    @property
+    def device(self) -> torch.device:
+        return self.k.device
+
+    def prepare(self, tree_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """For a forward of N new tokens per row with `tree_mask` [B, N, N] (True where token i
+        may see token j), return the cache slots they are written to [B, N] and the attention
+        mask [B, 1, N, S] over the verified prefix plus the new tokens."""
+        B, N, _ = tree_mask.shape
+        if max(self.lengths) + N > self.capacity:
+            raise RuntimeError(f"KV cache overflow: {max(self.lengths)} + {N} tokens > capacity {self.capacity}")
+        s_view = max(self.lengths) + N
+        lengths = torch.tensor(self.lengths, device=self.device)
+        write_pos = lengths[:, None] + torch.arange(N, device=self.device)  # [B, N]
+        columns = torch.arange(s_view, device=self.device)
+        mask = (columns[None, None, :] < lengths[:, None, None]).expand(B, N, s_view).clone()
+        mask.scatter_(2, write_pos[:, None, :].expand(B, N, N), tree_mask)
+        return write_pos, mask[:, None]
+
+    def write(self, layer: int, k, v, write_pos, s_view: int):
+        """k, v: [B, Hkv, N, D] at slots write_pos [B, N]; returns this layer's keys and values
+        [B, Hkv, s_view, D] including them."""
+        index = write_pos[:, None, :, None].expand_as(k)
+        self.k[layer].scatter_(2, index, k)
+        self.v[layer].scatter_(2, index, v)
+        return self.k[layer, :, :, :s_view], self.v[layer, :, :, :s_view]
+
+    def commit(self, keep: list[list[int]]) -> None:
+        """keep[b]: indices (into the last forward's tokens, increasing) that row b keeps."""
+        n_keep = [len(row) for row in keep]
+        width = max(n_keep)
+        if width == 0:
+            return
+        # Rows keeping fewer repeat their last index; the extra slots land past the new length.
+        padded = [row + [row[-1] if row else 0] * (width - len(row)) for row in keep]
+        lengths = torch.tensor(self.lengths, device=self.device)[:, None]
+        src = lengths + torch.tensor(padded, device=self.device)  # [B, A]
+        dst = lengths + torch.arange(width, device=self.device)
+        L, B, H, _, D = self.k.shape
+        src = src[None, :, None, :, None].expand(L, B, H, width, D)
+        dst = dst[None, :, None, :, None].expand(L, B, H, width, D)
+        for buf in (self.k, self.v):
+            buf.scatter_(3, dst, buf.gather(3, src))
+        self.lengths = [n + a for n, a in zip(self.lengths, n_keep)]
+
+    def keep_rows(self, rows: list[int]) -> None:
+        """Drop finished rows: the cache shrinks to `rows`, in that order."""
+        index = torch.tensor(rows, dtype=torch.long, device=self.device)
+        self.k = self.k.index_select(1, index)
+        self.v = self.v.index_select(1, index)
+        self.lengths = [self.lengths[r] for r in rows]

@@ -1,0 +1,5 @@
+"""Draft trees and the policies that build them from a drafter's BlockProposal."""
+
+from bastion.tree.draft_tree import DraftTree, pack
+
+__all__ = ["DraftTree", "pack"]

@@ -1,0 +1,24 @@
+"""Chain policy: the top-1 token of each position, one path (DFlash's and EAGLE-1's shape)."""
+
+from __future__ import annotations
+
+import math
+
+from bastion.drafters.base import BlockProposal
+from bastion.tree.draft_tree import DraftTree
+
+
+def chain(proposal: BlockProposal, max_nodes: int) -> list[DraftTree]:
+    tokens = proposal.tokens[:, :, 0].tolist()  # [B, K]
+    logprobs = proposal.logprobs[:, :, 0].tolist()
+    trees = []
+    for root, row_tokens, row_logprobs in zip(proposal.roots, tokens, logprobs):
+        tree_tokens, parents, logq = [root], [-1], [0.0]
+        for token, lp in zip(row_tokens[:max_nodes], row_logprobs):
+            if lp == -math.inf:
+                break
+            tree_tokens.append(token)
+            parents.append(len(parents) - 1)
+            logq.append(logq[-1] + lp)
+        trees.append(DraftTree(tuple(tree_tokens), tuple(parents), tuple(logq)))
+    return trees

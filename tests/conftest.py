@@ -1,0 +1,37 @@
+"""Shared fixtures: the tiny random targets (float64) and SmolLM2-135M (float32)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from bastion.models.target import load_target
+
+ROOT = Path(__file__).resolve().parents[1]
+torch.set_num_threads(2)
+
+
+def target_config(name: str, **overrides) -> dict:
+    cfg = OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "target" / f"{name}.yaml"), resolve=False)
+    cfg.pop("_target_")
+    cfg["device"] = "cpu"
+    cfg.update(overrides)
+    return cfg
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3():
+    return load_target(**target_config("tiny_qwen3", dtype="float64"))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama():
+    return load_target(**target_config("tiny_llama", dtype="float64"))
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    return load_target(**target_config("smollm2_135m"))

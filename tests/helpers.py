@@ -1,0 +1,68 @@
+"""Test-only drafters and checks."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import torch
+
+from bastion.drafters.base import BlockProposal, DraftContext
+from bastion.engine import generate
+
+
+class OracleDrafter:
+    """Knows each prompt's AR continuation and hides it among decoys: at each position the
+    true token sits at a random rank, or is missing with probability `miss`. Trees then accept
+    deep paths through non-first ranks and reject elsewhere, which exercises masks, positions
+    and non-contiguous KV commits far more than a real drafter on a random model would."""
+
+    feature_layers = ()
+
+    def __init__(self, continuations: dict[tuple[int, ...], list[int]], vocab: int, block_size=6, top_k=3, miss=0.25, seed=0):
+        self.continuations, self.vocab = continuations, vocab
+        self.block_size, self.top_k, self.miss = block_size, top_k, miss
+        self.rng = random.Random(seed)
+
+    def reset(self, batch_size):
+        pass
+
+    def keep_rows(self, rows):
+        pass
+
+    def _truth(self, seq: list[int]) -> list[int]:
+        for prompt, cont in self.continuations.items():
+            n = len(prompt)
+            if tuple(seq[:n]) == prompt and seq[n:] == cont[: len(seq) - n]:
+                return cont[len(seq) - n :]
+        return []
+
+    def propose(self, ctx: DraftContext) -> BlockProposal:
+        B, K, k = len(ctx.sequences), self.block_size, self.top_k
+        tokens = torch.zeros(B, K, k, dtype=torch.long)
+        logprobs = torch.zeros(B, K, k)
+        for b, seq in enumerate(ctx.sequences):
+            truth = self._truth(seq)
+            for pos in range(K):
+                cands = self.rng.sample(range(self.vocab), k)
+                if pos < len(truth) and self.rng.random() > self.miss:
+                    true = truth[pos]
+                    cands = [c for c in cands if c != true][: k - 1]
+                    cands.insert(self.rng.randrange(k), true)
+                tokens[b, pos] = torch.tensor(cands)
+                weights = sorted((self.rng.random() for _ in range(k)), reverse=True)
+                logprobs[b, pos] = torch.tensor([math.log(w / sum(weights)) for w in weights])
+        return BlockProposal([s[-1] for s in ctx.sequences], tokens, logprobs)
+
+
+def ar_outputs(target, prompts, max_new_tokens) -> list[list[int]]:
+    return [g.tokens for g in generate(target, prompts, max_new_tokens=max_new_tokens).generations]
+
+
+def assert_same_tokens(target, prompt, expected: list[int], got: list[int], label: str) -> None:
+    if expected == got:
+        return
+    at = next((i for i, (a, b) in enumerate(zip(expected, got)) if a != b), min(len(expected), len(got)))
+    top2 = target.score(prompt + expected[:at])[-1].topk(2).values
+    gap = float(top2[0] - top2[1])
+    raise AssertionError(f"{label}: output differs from AR at token {at} (AR logit gap top1-top2 there: {gap:.3g})")

@@ -1,0 +1,83 @@
+"""Temperature 0: every policy x budget x drafter reproduces AR decoding token for token."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+
+from bastion.bench.datasets import chat_tokens, load_prompts
+from bastion.budget.fixed import FixedBudget
+from bastion.drafters.ngram import NgramDrafter
+from bastion.engine import generate
+from bastion.tree.best_first import best_first
+from bastion.tree.chain import chain
+from tests.helpers import OracleDrafter, ar_outputs, assert_same_tokens
+
+POLICIES = {"chain": chain, "best_first": best_first}
+BUDGETS = (1, 2, 8, 64)
+
+
+def random_prompts(n=8, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 49152) for _ in range(rng.randrange(3, 40))] for _ in range(n)]
+
+
+def with_eos_mid_output(target, prompts, max_new):
+    """Make a token that AR emits mid-answer the EOS, so some rows stop on EOS, others on length."""
+    outputs = ar_outputs(target, prompts, max_new)
+    eos = outputs[0][max_new // 2]
+    target = dataclasses.replace(target, eos_ids=frozenset({eos}))
+    outputs = ar_outputs(target, prompts, max_new)
+    finishes = {("eos" if out[-1] == eos else "length") for out in outputs}
+    assert finishes == {"eos", "length"}, "the test needs rows that stop on EOS and rows that stop on length"
+    return target, outputs
+
+
+def check(target, prompts, expected, drafter, policy, budget, max_new, label):
+    decoding = generate(target, prompts, drafter=drafter, policy=POLICIES[policy], budget=FixedBudget(budget), max_new_tokens=max_new)
+    for prompt, exp, gen in zip(prompts, expected, decoding.generations):
+        assert_same_tokens(target, prompt, exp, gen.tokens, f"{label} {policy} budget={budget}")
+    return decoding
+
+
+@pytest.mark.parametrize("name", ["tiny_qwen3", "tiny_llama"])
+def test_tiny_models_lossless(name, request):
+    max_new = 24
+    prompts = random_prompts()
+    target, expected = with_eos_mid_output(request.getfixturevalue(name), prompts, max_new)
+    oracle = OracleDrafter(dict(zip(map(tuple, prompts), expected)), vocab=49152)
+    accepted_deep = False
+    for policy in POLICIES:
+        for budget in BUDGETS:
+            d = check(target, prompts, expected, oracle, policy, budget, max_new, f"{name} oracle")
+            accepted_deep |= max(max(s.produced) for s in d.steps) >= 4
+            check(target, prompts, expected, NgramDrafter(block_size=6), policy, budget, max_new, f"{name} ngram")
+    assert accepted_deep, "the oracle drafter should get multi-token acceptances"
+
+
+def test_tiny_model_lossless_one_prompt_at_a_time(tiny_qwen3):
+    prompts = random_prompts(4, seed=1)
+    expected = ar_outputs(tiny_qwen3, prompts, 16)
+    oracle = OracleDrafter(dict(zip(map(tuple, prompts), expected)), vocab=49152, seed=3)
+    for prompt, exp in zip(prompts, expected):
+        check(tiny_qwen3, [prompt], [exp], oracle, "best_first", 8, 16, "batch=1")
+
+
+SMOL_QUESTIONS = ["What is 2+3?", "Say hello.", "What is the capital of France?"]
+
+
+@pytest.mark.slow
+def test_smollm2_lossless(smollm2):
+    max_new = 32
+    texts = SMOL_QUESTIONS + [p.turns[0] for p in load_prompts("gsm8k", limit=3)] + [p.turns[0] for p in load_prompts("mt_bench", limit=2)]
+    prompts = [chat_tokens(smollm2.tokenizer, [{"role": "user", "content": t}]) for t in texts]
+    expected = ar_outputs(smollm2, prompts, max_new)
+    finishes = {("eos" if out[-1] in smollm2.eos_ids else "length") for out in expected}
+    assert finishes == {"eos", "length"}
+    oracle = OracleDrafter(dict(zip(map(tuple, prompts), expected)), vocab=49152, block_size=8)
+    for policy in POLICIES:
+        for budget in BUDGETS:
+            check(smollm2, prompts, expected, oracle, policy, budget, max_new, "smollm2 oracle")
+    check(smollm2, prompts, expected, NgramDrafter(), "best_first", 8, max_new, "smollm2 ngram")

@@ -1,0 +1,104 @@
+"""DraftTree masks and positions, and the policies' trees."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from bastion.drafters.base import BlockProposal
+from bastion.tree.best_first import best_first
+from bastion.tree.chain import chain
+from bastion.tree.draft_tree import DraftTree, pack
+
+#        0(root)
+#       /      \
+#      1        2
+#     / \        \
+#    3   4        5
+#    |
+#    6
+TREE = DraftTree((10, 11, 12, 13, 14, 15, 16), (-1, 0, 0, 1, 1, 2, 3), (0.0, -0.1, -0.2, -0.3, -0.4, -0.5, -0.6))
+
+
+def test_ancestor_mask_and_depths_match_hand_built_reference():
+    T, F = True, False
+    expected = torch.tensor([
+        [T, F, F, F, F, F, F],
+        [T, T, F, F, F, F, F],
+        [T, F, T, F, F, F, F],
+        [T, T, F, T, F, F, F],
+        [T, T, F, F, T, F, F],
+        [T, F, T, F, F, T, F],
+        [T, T, F, T, F, F, T],
+    ])
+    assert torch.equal(TREE.ancestor_mask(), expected)
+    assert TREE.depths == (0, 1, 1, 2, 2, 2, 3)
+    assert TREE.path(6) == [0, 1, 3, 6]
+    assert TREE.children[1] == (3, 4)
+
+
+def test_pack_pads_rows_that_see_only_themselves():
+    small = DraftTree((20, 21), (-1, 0), (0.0, -1.0))
+    tokens, depths, mask = pack([TREE, small], "cpu")
+    assert tokens.tolist() == [[10, 11, 12, 13, 14, 15, 16], [20, 21, 0, 0, 0, 0, 0]]
+    assert depths.tolist() == [[0, 1, 1, 2, 2, 2, 3], [0, 1, 0, 0, 0, 0, 0]]
+    assert torch.equal(mask[0], TREE.ancestor_mask())
+    assert torch.equal(mask[1, :2, :2], torch.tensor([[True, False], [True, True]]))
+    assert torch.equal(mask[1, 2:], torch.eye(7, dtype=torch.bool)[2:])
+
+
+def test_tree_rejects_children_before_parents():
+    with pytest.raises(ValueError):
+        DraftTree((1, 2, 3), (-1, 2, 0), (0.0, 0.0, 0.0))
+
+
+def proposal(probs: list[list[float]]) -> BlockProposal:
+    """K positions, k candidates each; candidate r at position j is token 100*j + r."""
+    K, k = len(probs), len(probs[0])
+    tokens = torch.tensor([[[100 * j + r for r in range(k)] for j in range(K)]])
+    logprobs = torch.tensor([[[math.log(p) if p > 0 else -math.inf for p in row] for row in probs]], dtype=torch.float64)
+    return BlockProposal([7], tokens, logprobs)
+
+
+def test_chain_takes_top1_up_to_budget():
+    p = proposal([[0.9, 0.1], [0.5, 0.4], [0.8, 0.2]])
+    (tree,) = chain(p, 2)
+    assert tree.tokens == (7, 0, 100) and tree.parents == (-1, 0, 1)
+    assert tree.expected_accepted() == pytest.approx(0.9 + 0.45)
+
+
+def all_prefix_closed_trees(K: int, k: int, n: int):
+    """Every set of n rank paths (r_1..r_d), d <= K, r < k, closed under taking prefixes."""
+    paths = [p for d in range(1, K + 1) for p in itertools.product(range(k), repeat=d)]
+    for subset in itertools.combinations(paths, n):
+        chosen = set(subset)
+        if all(p[:-1] in chosen or len(p) == 1 for p in chosen):
+            yield chosen
+
+
+def a_hat(paths, probs) -> float:
+    return sum(math.prod(probs[j][r] for j, r in enumerate(p)) for p in paths)
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("K,k", [(3, 2), (2, 3), (4, 2)])
+def test_best_first_is_optimal_for_every_size(seed, K, k):
+    gen = torch.Generator().manual_seed(seed)
+    probs = torch.softmax(3 * torch.randn(K, k + 2, generator=gen), -1).sort(descending=True).values[:, :k].tolist()
+    full = best_first(proposal(probs), K * k**K)[0]
+    for n in range(1, 7):
+        best = max(a_hat(t, probs) for t in all_prefix_closed_trees(K, k, n))
+        tree = best_first(proposal(probs), n)[0]
+        assert tree.n_nodes == n
+        assert tree.expected_accepted() == pytest.approx(best, rel=1e-12)
+        # the size-n tree is the first n nodes of any larger one: controllers may truncate
+        assert full.truncate(n).tokens == tree.tokens and full.truncate(n).parents == tree.parents
+
+
+def test_best_first_skips_missing_candidates():
+    p = proposal([[1.0, 0.0], [0.5, 0.0]])
+    (tree,) = best_first(p, 10)
+    assert tree.tokens == (7, 0, 100)
