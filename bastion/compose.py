@@ -9,12 +9,15 @@ from omegaconf import DictConfig, OmegaConf
 from bastion.bench.runner import Method
 
 
+LABELS = ("name", "drafters")  # keys that describe a choice rather than configure its constructor
+
+
 def build(node: DictConfig | None, **kwargs):
-    """Instantiate one config-group entry; its `name` is a label for humans and records.
-    Entries without `_target_` (drafter=none) build to None."""
+    """Instantiate one config-group entry, leaving out its LABELS. Entries without `_target_`
+    (drafter=none) build to None."""
     if node is None or "_target_" not in node:
         return None
-    spec = {k: v for k, v in OmegaConf.to_container(node, resolve=True).items() if k != "name"}
+    spec = {k: v for k, v in OmegaConf.to_container(node, resolve=True).items() if k not in LABELS}
     return instantiate(spec, _convert_="all", **kwargs)
 
 

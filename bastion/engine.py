@@ -38,6 +38,7 @@ class Generation:
     tokens: list[int]  # new tokens, the stopping token included
     finish: str  # "eos" | "length" | "stop"
     steps: int = 0  # decode steps (target forwards after prefill) this row took part in
+    features: torch.Tensor | None = None  # [prompt + new - 1, F] recorded target features (CPU, fp16)
 
 
 @dataclass
@@ -108,14 +109,21 @@ def generate(
     budget=None,
     max_new_tokens: int = 128,
     stop_strings: tuple[str, ...] = (),
+    record: tuple[int, ...] = (),
 ) -> Decoding:
-    """Decode a batch of prompts (greedy). Without a drafter this is plain AR decoding."""
+    """Decode a batch of prompts (greedy). Without a drafter this is plain AR decoding.
+
+    `record` names target layers whose outputs are returned per prompt (Generation.features)
+    for every token whose KV was committed: the training data of feature-conditioned drafters.
+    """
     stopper = Stopper(target.eos_ids, max_new_tokens, stop_strings, target.tokenizer)
     check_prompts(target, prompts, max_new_tokens)
     if drafter is not None and (policy is None or budget is None):
         raise ValueError("A drafter needs a tree policy and a budget controller.")
     device = target.device
-    capture = tuple(drafter.feature_layers) if drafter else ()
+    capture = tuple(drafter.feature_layers) if drafter else tuple(record)
+    if record and tuple(record) != capture:
+        raise ValueError("record must name the drafter's feature layers (or be used without a drafter)")
     max_nodes = budget.max_nodes if drafter else 0
     capacity = max(len(p) for p in prompts) + max_new_tokens + max_nodes + 1
     cache = target.new_cache(len(prompts), capacity)
@@ -131,28 +139,21 @@ def generate(
     last = torch.tensor([len(p) - 1 for p in prompts], device=device)
     first = target.logits(hidden[torch.arange(len(prompts), device=device), last]).argmax(-1).tolist()
     decoding = Decoding([Generation([], "") for _ in prompts], prefill_s=_now(device) - t0)
+    recorded = [[features[b, : len(p)].to("cpu", torch.float16)] for b, p in enumerate(prompts)] if record else None
 
-    active = []  # prompt indices still decoding, in cache-row order
-    for i, token in enumerate(first):
-        out, finish = stopper.cut([token], 0)
-        decoding.generations[i].tokens, decoding.generations[i].finish = out, finish or ""
-        if finish is None:
-            active.append(i)
+    active = list(range(len(prompts)))  # the prompt each cache row decodes
+    keep = _extend_outputs(decoding, active, [[t] for t in first], stopper, step=False)
     if drafter is not None:
-        drafter.reset(len(prompts))
+        drafter.reset(len(prompts), capacity)
     ctx = DraftContext([list(p) + [t] for p, t in zip(prompts, first)], features, [len(p) for p in prompts])
-    _drop_finished(active, list(range(len(prompts))), cache, drafter, ctx)
+    active = _keep_rows(keep, active, cache, drafter, ctx)
 
     while active:
         t0 = _now(device)
         roots = [seq[-1] for seq in ctx.sequences]
-        if drafter is None:
-            trees = [DraftTree.root_only(r) for r in roots]
-        else:
-            proposal = drafter.propose(ctx)
+        proposal = drafter.propose(ctx) if drafter is not None else None
         t1 = _now(device)
-        if drafter is not None:
-            trees = budget.size(policy(proposal, max_nodes))
+        trees = budget.size(policy(proposal, max_nodes)) if proposal is not None else [DraftTree.root_only(r) for r in roots]
         tree_tokens, tree_depths, tree_mask = pack(trees, device)
         t2 = _now(device)
         hidden, features = target.forward(tree_tokens, tree_depths, tree_mask, cache, capture)
@@ -162,22 +163,16 @@ def generate(
         cache.commit([v.path for v in verdicts])
         if capture:
             features = _gather_paths(features, [v.path for v in verdicts])
+            if record:
+                for row, (i, v) in enumerate(zip(active, verdicts)):
+                    recorded[i].append(features[row, : len(v.path)].to("cpu", torch.float16))
         ctx = DraftContext([seq + v.tokens for seq, v in zip(ctx.sequences, verdicts)], features, [len(v.path) for v in verdicts])
-        rows, was_active = [], list(active)
-        for row, (i, verdict) in enumerate(zip(was_active, verdicts)):
-            gen = decoding.generations[i]
-            gen.steps += 1
-            gen.tokens, finish = stopper.cut(gen.tokens + verdict.tokens, len(gen.tokens))
-            if finish is None:
-                rows.append(row)
-            else:
-                gen.finish = finish
-        active[:] = [was_active[r] for r in rows]
-        _drop_finished(rows, list(range(len(was_active))), cache, drafter, ctx)
+        keep = _extend_outputs(decoding, active, [v.tokens for v in verdicts], stopper, step=True)
+        step_rows, active = active, _keep_rows(keep, active, cache, drafter, ctx)
         t4 = _now(device)
         decoding.steps.append(
             Step(
-                rows=was_active,
+                rows=step_rows,
                 tree_sizes=[t.n_nodes for t in trees],
                 produced=[len(v.tokens) for v in verdicts],
                 expected=[t.expected_accepted() for t in trees],
@@ -188,6 +183,9 @@ def generate(
         )
         if budget is not None:
             budget.observe(tree_tokens.numel(), t3 - t2)
+    if record:
+        for gen, prompt, parts in zip(decoding.generations, prompts, recorded):
+            gen.features = torch.cat(parts)[: len(prompt) + len(gen.tokens) - 1]
     return decoding
 
 
@@ -198,10 +196,25 @@ def _gather_paths(features: torch.Tensor, paths: list[list[int]]) -> torch.Tenso
     return features.gather(1, index[:, :, None].expand(-1, -1, features.shape[-1]))
 
 
-def _drop_finished(keep: list[int], rows: list[int], cache, drafter, ctx: DraftContext) -> None:
-    """Shrink the batch to the rows in `keep` (cache rows, in order) when some finished."""
-    if keep == rows:
-        return
+def _extend_outputs(decoding: Decoding, active: list[int], new_tokens: list[list[int]], stopper: Stopper, step: bool) -> list[int]:
+    """Append each active row's new tokens, cut at its stop; return the rows that go on."""
+    keep = []
+    for row, (i, new) in enumerate(zip(active, new_tokens)):
+        gen = decoding.generations[i]
+        gen.steps += step
+        gen.tokens, finish = stopper.cut(gen.tokens + new, len(gen.tokens))
+        if finish is None:
+            keep.append(row)
+        else:
+            gen.finish = finish
+    return keep
+
+
+def _keep_rows(keep: list[int], active: list[int], cache, drafter, ctx: DraftContext) -> list[int]:
+    """Shrink the batch to the cache rows in `keep` when some rows finished; return the prompts
+    the remaining rows decode."""
+    if len(keep) == len(active):
+        return active
     cache.keep_rows(keep)
     if drafter is not None:
         drafter.keep_rows(keep)
@@ -209,3 +222,4 @@ def _drop_finished(keep: list[int], rows: list[int], cache, drafter, ctx: DraftC
     ctx.n_features = [ctx.n_features[r] for r in keep]
     if ctx.features is not None:
         ctx.features = ctx.features[keep]
+    return [active[r] for r in keep]

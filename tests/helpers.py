@@ -24,7 +24,7 @@ class OracleDrafter:
         self.block_size, self.top_k, self.miss = block_size, top_k, miss
         self.rng = random.Random(seed)
 
-    def reset(self, batch_size):
+    def reset(self, batch_size, capacity):
         pass
 
     def keep_rows(self, rows):

@@ -117,6 +117,6 @@ def test_captured_features_are_the_named_layers_outputs(tiny_llama):
     cos, sin = tiny_llama.model.rotary(torch.arange(4)[None], x.dtype)
     outs = []
     for layer in tiny_llama.model.layers:
-        x = layer(x, cos, sin, mask[:, None], None, 0, None)
+        x = layer(x, cos, sin, mask[:, None])
         outs.append(x)
     torch.testing.assert_close(features, torch.cat([outs[1], outs[0]], dim=-1))

@@ -37,11 +37,10 @@ class DraftContext:
 
 
 class Drafter(Protocol):
-    block_size: int  # K: how many positions a proposal covers
     feature_layers: tuple[int, ...]  # target layers whose outputs the drafter conditions on (may be empty)
 
-    def reset(self, batch_size: int) -> None:
-        """Forget all rows: a new batch of prompts starts."""
+    def reset(self, batch_size: int, capacity: int) -> None:
+        """Forget all rows: a new batch of prompts starts; no row will exceed `capacity` tokens."""
 
     def propose(self, ctx: DraftContext) -> BlockProposal:
         """Draft the next block for every row."""
@@ -52,6 +51,6 @@ class Drafter(Protocol):
 
 def top_candidates(logits: torch.Tensor, roots: list[int], k: int) -> BlockProposal:
     """A BlockProposal from draft logits [B, K, V]: the top-k tokens of each position."""
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    logprobs = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
     top = logprobs.topk(k, dim=-1)
     return BlockProposal(roots=roots, tokens=top.indices, logprobs=top.values, probs=logprobs.exp())

@@ -26,7 +26,7 @@ class NgramDrafter:
         self.block_size, self.max_ngram, self.min_ngram = block_size, max_ngram, min_ngram
         self.top_k, self.max_matches = top_k, max_matches
 
-    def reset(self, batch_size: int) -> None:
+    def reset(self, batch_size: int, capacity: int) -> None:
         pass  # stateless: everything it needs is in the context
 
     def keep_rows(self, rows: list[int]) -> None:

@@ -39,12 +39,15 @@ class KVCache:
         mask.scatter_(2, write_pos[:, None, :].expand(B, N, N), tree_mask)
         return write_pos, mask[:, None]
 
-    def write(self, layer: int, k, v, write_pos, s_view: int):
-        """k, v: [B, Hkv, N, D] at slots write_pos [B, N]; returns this layer's keys and values
-        [B, Hkv, s_view, D] including them."""
+    def store(self, layer: int, k, v, write_pos) -> None:
+        """k, v: [B, Hkv, N, D] into slots write_pos [B, N] of `layer`."""
         index = write_pos[:, None, :, None].expand_as(k)
         self.k[layer].scatter_(2, index, k)
         self.v[layer].scatter_(2, index, v)
+
+    def write(self, layer: int, k, v, write_pos, s_view: int):
+        """store(), then return this layer's keys and values [B, Hkv, s_view, D]."""
+        self.store(layer, k, v, write_pos)
         return self.k[layer, :, :, :s_view], self.v[layer, :, :, :s_view]
 
     def commit(self, keep: list[list[int]]) -> None:

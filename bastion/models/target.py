@@ -24,6 +24,7 @@ class Target:
     model: Transformer
     tokenizer: object | None  # a transformers tokenizer; None for token-level test models
     name: str
+    config: object  # the transformers config the model was built from
     eos_ids: frozenset[int] = field(default_factory=frozenset)
 
     @property
@@ -97,7 +98,7 @@ def load_target(
         config = AutoConfig.from_pretrained(path)
         model = _load_model(path, config, torch_dtype, device)
         tok = AutoTokenizer.from_pretrained(resolve_source(tokenizer) if tokenizer else path)
-    return Target(model.eval(), tok, name, frozenset(_eos_ids(config, tok)))
+    return Target(model.eval(), tok, name, config, frozenset(_eos_ids(config, tok)))
 
 
 def _eos_ids(config, tokenizer) -> set[int]:
@@ -120,9 +121,7 @@ def _random_model(config, seed: int, dtype, device) -> Transformer:
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=generator))
             else:
                 p.copy_(std * torch.randn(p.shape, generator=generator))
-    model = model.to(device=device, dtype=dtype)
-    model.rotary = Rotary(config).to(device)  # keep the RoPE frequencies in fp32
-    return model
+    return model.to(device=device, dtype=dtype)
 
 
 def _load_model(path: Path, config, dtype, device) -> Transformer:
@@ -142,5 +141,5 @@ def _load_model(path: Path, config, dtype, device) -> Transformer:
         raise ValueError(f"Weights in {path} do not match a {args.arch} model: missing {missing[:3]}, unexpected {unexpected[:3]}")
     if args.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    model.rotary = Rotary(config).to(device)
+    model.rotary = Rotary(config)  # built on the meta device above
     return model

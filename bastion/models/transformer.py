@@ -12,6 +12,7 @@ transformers' implementation.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -100,11 +101,12 @@ class Rotary(nn.Module):
             inv_freq, scaling = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
         else:
             inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        # A plain attribute, not a buffer: model.to(bfloat16) must not round the frequencies.
+        self.inv_freq = inv_freq.float()
         self.scaling = scaling
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions[..., None].float() * self.inv_freq.float()  # [B, N, D/2]
+        freqs = positions[..., None].float() * self.inv_freq.to(positions.device)  # [B, N, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
 
@@ -129,24 +131,31 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(d, args.rms_norm_eps)
             self.k_norm = RMSNorm(d, args.rms_norm_eps)
 
-    def project_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """x: [B, N, h] -> q [B, H, N, D], k and v [B, Hkv, N, D], rotated."""
+    def queries(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: [B, N, h] -> rotated queries [B, H, N, D]."""
         B, N, _ = x.shape
-        d = self.args.head_dim
-        q = self.q_proj(x).view(B, N, -1, d)
-        k = self.k_proj(x).view(B, N, -1, d)
-        v = self.v_proj(x).view(B, N, -1, d).transpose(1, 2)
+        q = self.q_proj(x).view(B, N, -1, self.args.head_dim)
         if self.args.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        return apply_rotary(q.transpose(1, 2), cos, sin), apply_rotary(k.transpose(1, 2), cos, sin), v
+            q = self.q_norm(q)
+        return apply_rotary(q.transpose(1, 2), cos, sin)
 
-    def forward(self, x, cos, sin, mask, cache: KVCache | None, layer: int, write_pos):
-        """mask: [B, 1, N, S] bool (True = may attend). Without a cache the keys are x's own."""
-        q, k, v = self.project_qkv(x, cos, sin)
-        if cache is not None:
-            k, v = cache.write(layer, k, v, write_pos, mask.shape[-1])
-        out = attend(q, k, v, mask)
-        return self.o_proj(out)
+    def keys_values(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [B, N, h] -> rotated keys and values [B, Hkv, N, D]."""
+        B, N, _ = x.shape
+        k = self.k_proj(x).view(B, N, -1, self.args.head_dim)
+        v = self.v_proj(x).view(B, N, -1, self.args.head_dim).transpose(1, 2)
+        if self.args.qk_norm:
+            k = self.k_norm(k)
+        return apply_rotary(k.transpose(1, 2), cos, sin), v
+
+    def forward(self, x, cos, sin, mask, extend_kv=None):
+        """mask: [B, 1, N, S] bool (True = may attend). `extend_kv(k, v)` returns the keys and
+        values to attend over, the new ones included (a KV cache write, or a drafter's context);
+        without it tokens attend among themselves."""
+        k, v = self.keys_values(x, cos, sin)
+        if extend_kv is not None:
+            k, v = extend_kv(k, v)
+        return self.o_proj(attend(self.queries(x, cos, sin), k, v, mask))
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -175,8 +184,8 @@ class Block(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
-    def forward(self, x, cos, sin, mask, cache, layer, write_pos):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, layer, write_pos)
+    def forward(self, x, cos, sin, mask, extend_kv=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, extend_kv)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -209,7 +218,8 @@ class Transformer(nn.Module):
         cos, sin = self.rotary(positions, x.dtype)
         captured = {}
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, mask, cache, i, write_pos)
+            extend = partial(cache.write, i, write_pos=write_pos, s_view=mask.shape[-1]) if cache is not None else None
+            x = layer(x, cos, sin, mask, extend)
             if i in capture:
                 captured[i] = x
         features = torch.cat([captured[i] for i in capture], dim=-1) if capture else None

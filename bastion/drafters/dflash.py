@@ -1,0 +1,214 @@
+"""DFlash: a block-diffusion drafter conditioned on the target's hidden states.
+
+One forward drafts a whole block. The block is the root (the last verified token) followed by
+mask tokens, embedded with the target's frozen embeddings; its positions attend to each other
+bidirectionally and to the context. The context is the target's hidden states of every
+verified token, taken at `target_layer_ids`, concatenated, projected by `fc` and normed by
+`hidden_norm`; each draft layer turns it into keys and values with its own k/v projections
+("KV injection"), cached across steps. The target's LM head turns the block's last hidden
+states into per-position marginals: a BlockProposal.
+
+Checkpoints use the released format (z-lab/dflash): a Qwen3-style config.json with
+`block_size`, `num_target_layers` and `dflash_config.{target_layer_ids, mask_token_id}`, and
+safetensors named `layers.N.*`, `fc.weight`, `hidden_norm.weight`, `norm.weight`.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import partial
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import AutoConfig
+
+from bastion.drafters.base import BlockProposal, DraftContext, top_candidates
+from bastion.models.kv_cache import KVCache
+from bastion.models.loading import resolve_source
+from bastion.models.target import Target
+from bastion.models.transformer import Block, ModelArgs, RMSNorm, Rotary
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+
+
+class DFlashDrafter(nn.Module):
+    def __init__(self, config: dict, target: Target, top_k: int = 8, block_size: int | None = None):
+        super().__init__()
+        dflash = config.get("dflash_config", {})
+        self.config = config
+        self.block_size = int(block_size or dflash.get("block_size") or config["block_size"])  # root + drafts
+        self.mask_token_id = int(dflash.get("mask_token_id", config.get("mask_token_id")))
+        self.feature_layers = tuple(dflash.get("target_layer_ids", config.get("target_layer_ids")))
+        self.embedding_scale = float(dflash.get("input_embedding_scale", 1.0))
+        self.top_k = top_k
+        hf_config = AutoConfig.for_model(**{**config, "model_type": "qwen3"})
+        self.args = ModelArgs.from_hf_config(hf_config)
+        check_fits(self, target)
+        h = self.args.hidden_size
+        self.layers = nn.ModuleList(Block(self.args) for _ in range(self.args.n_layers))
+        self.fc = nn.Linear(len(self.feature_layers) * target.args.hidden_size, h, bias=False)
+        self.hidden_norm = RMSNorm(h, self.args.rms_norm_eps)
+        self.norm = RMSNorm(h, self.args.rms_norm_eps)
+        self.rotary = Rotary(hf_config)
+        self.target = target  # a plain dataclass: its weights are shared, not registered here
+        self.cache: KVCache | None = None
+
+    # ---- decoding ---------------------------------------------------------------------------
+    def reset(self, batch_size: int, capacity: int) -> None:
+        a = self.args
+        weight = self.fc.weight
+        self.cache = KVCache(a.n_layers, batch_size, a.n_kv_heads, a.head_dim, capacity + self.block_size, weight.dtype, weight.device)
+
+    def keep_rows(self, rows: list[int]) -> None:
+        self.cache.keep_rows(rows)
+
+    @torch.inference_mode()
+    def propose(self, ctx: DraftContext) -> BlockProposal:
+        self._append_context(ctx.features, ctx.n_features)
+        roots = [seq[-1] for seq in ctx.sequences]
+        B, K = len(roots), self.block_size
+        device = self.fc.weight.device
+        block = torch.full((B, K), self.mask_token_id, device=device)
+        block[:, 0] = torch.tensor(roots, device=device)
+        write_pos, mask = self.cache.prepare(torch.ones(B, K, K, dtype=torch.bool, device=device))
+        x = self.embed(block)
+        cos, sin = self.rotary(write_pos, x.dtype)  # a block token's position is its cache slot
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, mask, partial(self.cache.write, i, write_pos=write_pos, s_view=mask.shape[-1]))
+        logits = self.target.logits(self.norm(x)[:, 1:])  # [B, K-1, V]: the root needs no draft
+        return top_candidates(logits, roots, self.top_k)
+
+    def _append_context(self, features: torch.Tensor, n_features: list[int]) -> None:
+        """Project newly verified tokens' target features [B, T, F] and cache every layer's K/V."""
+        context = self.project(features.to(self.fc.weight.dtype))
+        lengths = torch.tensor(self.cache.lengths, device=context.device)
+        write_pos = lengths[:, None] + torch.arange(context.shape[1], device=context.device)
+        cos, sin = self.rotary(write_pos, context.dtype)
+        for i, layer in enumerate(self.layers):
+            k, v = layer.self_attn.keys_values(context, cos, sin)
+            self.cache.store(i, k, v, write_pos)
+        self.cache.commit([list(range(n)) for n in n_features])
+
+    # ---- shared by decoding and training ----------------------------------------------------
+    def project(self, features: torch.Tensor) -> torch.Tensor:
+        """Target features [.., len(layers) * h_target] -> context states [.., h]."""
+        return self.hidden_norm(self.fc(features))
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.target.model.embed_tokens(tokens).to(self.fc.weight.dtype) * self.embedding_scale
+
+    def block_hidden(self, features: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+        """Training forward: many blocks per sequence in one pass.
+
+        features [B, S, F] and tokens [B, S] of whole sequences; anchors [B, M] (the positions
+        whose token roots a block). Each block sees the context strictly before its anchor (at
+        decoding time the root's own features are not known yet) and itself, never another
+        block. Returns the blocks' final hidden states [B, M, K, h]; position k of a block
+        predicts the token at anchor + k.
+        """
+        B, S, _ = features.shape
+        M, K = anchors.shape[1], self.block_size
+        device = features.device
+        context = self.project(features)
+        cos_c, sin_c = self.rotary(torch.arange(S, device=device).expand(B, S), context.dtype)
+        block = torch.full((B, M, K), self.mask_token_id, device=device)
+        block[:, :, 0] = tokens.gather(1, anchors)
+        x = self.embed(block).view(B, M * K, -1)
+        block_pos = (anchors[:, :, None] + torch.arange(K, device=device)).view(B, M * K)
+        cos_b, sin_b = self.rotary(block_pos, x.dtype)
+        block_id = torch.arange(M * K, device=device) // K
+        sees_context = torch.arange(S, device=device)[None, None, :] < anchors.repeat_interleave(K, dim=1)[:, :, None]
+        sees_block = (block_id[:, None] == block_id[None, :]).expand(B, M * K, M * K)
+        mask = torch.cat([sees_context, sees_block], dim=-1)[:, None]  # [B, 1, MK, S + MK]
+        for layer in self.layers:
+            k_ctx, v_ctx = layer.self_attn.keys_values(context, cos_c, sin_c)
+            x = layer(x, cos_b, sin_b, mask, lambda k, v, kc=k_ctx, vc=v_ctx: (torch.cat([kc, k], 2), torch.cat([vc, v], 2)))
+        return self.norm(x).view(B, M, K, -1)
+
+    # ---- checkpoints ------------------------------------------------------------------------
+    def save(self, out_dir: Path, dtype: torch.dtype = torch.bfloat16) -> None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        state = {k: v.detach().to("cpu", dtype).contiguous() for k, v in self.state_dict().items()}
+        save_file(state, out_dir / "model.safetensors")
+        config = {**self.config, "torch_dtype": str(dtype).removeprefix("torch.")}
+        (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def check_fits(drafter: DFlashDrafter, target: Target) -> None:
+    """Refuse a drafter trained for another target, in one sentence, before any decoding."""
+    t, d, config = target.args, drafter.args, drafter.config
+    problems = []
+    if d.hidden_size != t.hidden_size:
+        problems.append(f"hidden size {d.hidden_size} vs {t.hidden_size}")
+    if config.get("vocab_size", t.vocab_size) != t.vocab_size:
+        problems.append(f"vocab {config['vocab_size']} vs {t.vocab_size}")
+    if config.get("num_target_layers", t.n_layers) != t.n_layers:
+        problems.append(f"{config['num_target_layers']} target layers vs {t.n_layers}")
+    if not all(0 <= i < t.n_layers for i in drafter.feature_layers):
+        problems.append(f"target_layer_ids {list(drafter.feature_layers)} outside 0..{t.n_layers - 1}")
+    if not 0 <= drafter.mask_token_id < t.vocab_size:
+        problems.append(f"mask_token_id {drafter.mask_token_id} outside the vocab")
+    if problems:
+        raise ValueError(f"This DFlash drafter does not fit target {target.name}: {'; '.join(problems)}.")
+
+
+def new_dflash_config(target: Target, layers: int, block_size: int, target_layer_ids: list[int], mask_token_id: int) -> dict:
+    """A Qwen3-style drafter config shaped like the target (so it shares embeddings and head)."""
+    a = target.args
+    return {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "hidden_size": a.hidden_size,
+        "intermediate_size": a.intermediate_size,
+        "num_hidden_layers": layers,
+        "num_attention_heads": a.n_heads,
+        "num_key_value_heads": a.n_kv_heads,
+        "head_dim": a.head_dim,
+        "rms_norm_eps": a.rms_norm_eps,
+        "rope_parameters": dict(target.config.rope_parameters),
+        "max_position_embeddings": a.max_position,
+        "vocab_size": a.vocab_size,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+        "block_size": block_size,
+        "num_target_layers": a.n_layers,
+        "dflash_config": {"target_layer_ids": list(target_layer_ids), "mask_token_id": mask_token_id},
+    }
+
+
+def evenly_spaced_layers(n_target_layers: int, n: int) -> list[int]:
+    """n target layers from the second to the third-last, evenly spaced (DFlash's choice)."""
+    if n == 1:
+        return [n_target_layers // 2]
+    first, last = 1, n_target_layers - 3
+    return [round(first + i * (last - first) / (n - 1)) for i in range(n)]
+
+
+def resolve_checkpoint(checkpoint: str) -> Path:
+    """A local directory (relative paths are tried against the project root too) or a Hub id."""
+    for base in (Path.cwd(), PROJECT_ROOT):
+        path = base / checkpoint
+        if (path / "config.json").exists():
+            return path
+    return resolve_source(checkpoint)
+
+
+def load_dflash(target: Target, checkpoint: str | None, top_k: int = 8, block_size: int | None = None) -> DFlashDrafter:
+    if not checkpoint:
+        raise ValueError(
+            f"Target {target.name} names no DFlash drafter: train one with "
+            f"`python train.py drafter=dflash target={target.name}` or set drafter.checkpoint=DIR_OR_HUB_ID."
+        )
+    path = resolve_checkpoint(checkpoint)
+    config = json.loads((path / "config.json").read_text())
+    drafter = DFlashDrafter(config, target, top_k=top_k, block_size=block_size)
+    state = {}
+    for file in sorted(path.glob("*.safetensors")):
+        state.update(load_file(file))
+    missing, unexpected = drafter.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"{path} is not a DFlash checkpoint: missing {missing[:3]}, unexpected {unexpected[:3]}.")
+    return drafter.to(device=target.device, dtype=target.dtype).eval()

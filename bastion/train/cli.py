@@ -1,0 +1,72 @@
+"""`python train.py`: build (or resume) the data, train, save the drafter with its recipe."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from bastion.compose import build, resolve_device
+from bastion.drafters.dflash import DFlashDrafter, evenly_spaced_layers, new_dflash_config
+from bastion.train.data import build_selfdistill, training_prompts
+from bastion.train.dflash import to_examples, train_dflash, write_log
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+
+
+def train(cfg: DictConfig) -> None:
+    OmegaConf.set_struct(cfg, False)
+    cfg.device = resolve_device(cfg.device)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    if cfg.drafter.name != "dflash":
+        raise ValueError(f"train.py knows how to train: dflash (got drafter={cfg.drafter.name}).")
+    started = time.time()
+    target = build(cfg.target, name=cfg.target.name)
+    target.model.requires_grad_(False)
+    recipe = cfg.recipe
+    layers = tuple(evenly_spaced_layers(target.args.n_layers, recipe.n_feature_layers))
+    mask_token_id = mask_token(cfg, target)
+    data = self_distillation(cfg, target, layers)
+    drafter = DFlashDrafter(new_dflash_config(target, recipe.layers, recipe.block_size, list(layers), mask_token_id), target)
+    drafter.to(device=target.device)
+    o = recipe.optim
+    log = train_dflash(
+        drafter, to_examples(data, recipe.block_size), Path(recipe.work_dir) / "train_state.pt", o.steps, lr=o.lr,
+        warmup=o.warmup, seqs_per_step=o.seqs_per_step, anchors=o.anchors, gamma=o.gamma, grad_clip=o.grad_clip,
+        save_every=o.save_every, log_every=o.log_every, seed=cfg.seed,
+    )
+    out = PROJECT_ROOT / recipe.output_dir if not Path(recipe.output_dir).is_absolute() else Path(recipe.output_dir)
+    drafter.save(out, getattr(torch, recipe.save_dtype))
+    (out / "train_config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    write_log(out / "train_log.jsonl", log)
+    print(f"saved {out} ({(time.time() - started) / 60:.1f} min this run); last log: {json.dumps(log[-1])}")
+
+
+def mask_token(cfg: DictConfig, target) -> int:
+    """The target preset's mask token, else the tokenizer's own mask token."""
+    chosen = OmegaConf.select(cfg, "target.drafters.mask_token_id")
+    if chosen is None:
+        chosen = getattr(target.tokenizer, "mask_token_id", None)
+    if chosen is None:
+        raise ValueError(f"Target {target.name} has no mask token: set target.drafters.mask_token_id to an unused special token id.")
+    return int(chosen)
+
+
+def self_distillation(cfg: DictConfig, target, layers: tuple[int, ...]):
+    """Build or reuse the target's self-distillation data (features recorded at `layers`)."""
+    d = cfg.recipe.data
+    out = Path(d.dir)
+    meta = {"target": target.name, "layers": list(layers), "n_prompts": d.n_prompts, "mix": dict(d.mix),
+            "max_new_tokens": d.max_new_tokens, "seed": cfg.seed}
+    meta_path = out / "meta.json"
+    if meta_path.exists() and json.loads(meta_path.read_text()) != meta:
+        raise ValueError(f"{out} holds self-distillation data made with other settings ({meta_path}); delete it or set recipe.data.dir.")
+    out.mkdir(parents=True, exist_ok=True)
+    meta_path.write_text(json.dumps(meta))
+    prompts = training_prompts(dict(d.mix), d.n_prompts, cfg.seed)
+    return build_selfdistill(target, out, prompts, layers, d.max_new_tokens, d.batch_size)

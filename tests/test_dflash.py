@@ -1,0 +1,101 @@
+"""DFlash drafter: the decoding path equals the training path, checkpoints round-trip in the
+released format, mismatched drafters are refused, and decoding with it stays lossless."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from bastion.budget.fixed import FixedBudget
+from bastion.drafters.base import DraftContext
+from bastion.drafters.dflash import DFlashDrafter, evenly_spaced_layers, load_dflash, new_dflash_config
+from bastion.engine import generate
+from bastion.tree.best_first import best_first
+from bastion.tree.chain import chain
+from tests.helpers import ar_outputs, assert_same_tokens
+from tests.test_lossless import random_prompts
+
+
+def random_drafter(target, layers=2, block_size=5, seed=0) -> DFlashDrafter:
+    torch.manual_seed(seed)
+    config = new_dflash_config(target, layers, block_size, [0, 1], mask_token_id=16)
+    return DFlashDrafter(config, target).to(target.dtype).eval()
+
+
+def target_features(target, tokens, layers):
+    n = len(tokens)
+    cache = target.new_cache(1, n)
+    _, feats = target.forward(torch.tensor([tokens]), torch.arange(n)[None], torch.ones(1, n, n, dtype=torch.bool).tril(), cache, layers)
+    return feats  # [1, n, F]
+
+
+def test_decoding_path_equals_training_path(tiny_qwen3):
+    drafter = random_drafter(tiny_qwen3)
+    tokens = list(range(300, 340))
+    feats = target_features(tiny_qwen3, tokens, drafter.feature_layers)
+    anchors = torch.tensor([[12, 25, 31]])
+    with torch.no_grad():
+        hidden = drafter.block_hidden(feats, torch.tensor([tokens]), anchors)  # [1, 3, K, h]
+        expected = torch.log_softmax(tiny_qwen3.logits(hidden[:, :, 1:]), -1)
+    # decoding: context arrives in pieces, as verification commits it
+    drafter.reset(1, 64)
+    done = 0
+    for m, a in enumerate(anchors[0].tolist()):
+        ctx = DraftContext([tokens[: a + 1]], feats[:, done:a], [a - done])
+        proposal = drafter.propose(ctx)
+        torch.testing.assert_close(proposal.probs[0].log(), expected[0, m], rtol=1e-8, atol=1e-8)
+        done = a
+
+
+def test_checkpoint_roundtrip_in_released_format(tiny_qwen3, tmp_path):
+    drafter = random_drafter(tiny_qwen3)
+    drafter.save(tmp_path, torch.float64)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["block_size"] == 5 and config["num_target_layers"] == 2
+    assert config["dflash_config"] == {"target_layer_ids": [0, 1], "mask_token_id": 16}
+    names = set(load_file(tmp_path / "model.safetensors"))
+    assert {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.0.self_attn.q_proj.weight",
+            "layers.1.self_attn.k_norm.weight", "layers.1.mlp.down_proj.weight"} <= names
+    assert not any(n.startswith(("embed", "lm_head", "target")) for n in names)
+    loaded = load_dflash(tiny_qwen3, str(tmp_path), top_k=4)
+    for (name, a), b in zip(drafter.state_dict().items(), loaded.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+def test_mismatched_drafter_is_refused(tiny_qwen3, tiny_llama, tmp_path):
+    random_drafter(tiny_qwen3).save(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["num_target_layers"] = 36
+    config["dflash_config"]["target_layer_ids"] = [1, 9, 17]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"does not fit target tiny_qwen3: 36 target layers vs 2; target_layer_ids \[1, 9, 17\] outside 0..1"):
+        load_dflash(tiny_qwen3, str(tmp_path))
+    random_drafter(tiny_qwen3).save(tmp_path / "other")
+    big = {**json.loads((tmp_path / "other" / "config.json").read_text()), "hidden_size": 4096}
+    (tmp_path / "other" / "config.json").write_text(json.dumps(big))
+    with pytest.raises(ValueError, match="hidden size 4096 vs 64"):
+        load_dflash(tiny_llama, str(tmp_path / "other"))
+
+
+def test_no_checkpoint_says_how_to_train(tiny_qwen3):
+    with pytest.raises(ValueError, match="python train.py drafter=dflash target=tiny_qwen3"):
+        load_dflash(tiny_qwen3, None)
+
+
+def test_evenly_spaced_layers():
+    assert evenly_spaced_layers(36, 5) == [1, 9, 17, 25, 33]  # z-lab/Qwen3-8B-DFlash-b16
+    assert evenly_spaced_layers(30, 1) == [15]
+
+
+@pytest.mark.parametrize("policy", [chain, best_first])
+def test_lossless_with_a_dflash_drafter(tiny_llama, policy):
+    prompts = random_prompts(6, seed=4)
+    expected = ar_outputs(tiny_llama, prompts, 20)
+    drafter = random_drafter(tiny_llama, block_size=6)
+    for budget in (1, 8, 64):
+        d = generate(tiny_llama, prompts, drafter=drafter, policy=policy, budget=FixedBudget(budget), max_new_tokens=20)
+        for p, exp, gen in zip(prompts, expected, d.generations):
+            assert_same_tokens(tiny_llama, p, exp, gen.tokens, f"dflash {policy.__name__} {budget}")

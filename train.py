@@ -1,0 +1,22 @@
+"""Train a drafter for a target: self-distillation data, then the drafter's recipe.
+
+    python train.py drafter=dflash target=smollm2_135m
+    python train.py drafter=dflash target=smollm2_135m recipe.optim.steps=200   # shorter
+Rerunning the same command resumes: finished data shards and the last checkpoint are kept.
+"""
+
+from __future__ import annotations
+
+import hydra
+from omegaconf import DictConfig
+
+
+@hydra.main(config_path="conf", config_name="training", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    from bastion.train.cli import train
+
+    train(cfg)
+
+
+if __name__ == "__main__":
+    main()
