@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from bastion.bench.runner import Method
+from bastion.budget.fixed import FixedBudget
+from bastion.budget.hardware import HardwareProfile, profile_from_config
+
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
 
 LABELS = ("name", "drafters")  # keys that describe a choice rather than configure its constructor
@@ -29,14 +35,24 @@ def resolve_device(device: str) -> str:
     return device
 
 
-def method_name(cfg: DictConfig) -> str:
-    return f"{cfg.drafter.name}+{cfg.tree.name}+{cfg.budget.name}"
+def hardware(cfg: DictConfig) -> HardwareProfile:
+    known = [OmegaConf.to_container(OmegaConf.load(p)) for p in sorted(CONF_DIR.glob("gpu/*.yaml"))]
+    return profile_from_config(OmegaConf.to_container(cfg.gpu, resolve=True), cfg.device, [k for k in known if k["name"] != "auto"])
 
 
 def build_methods(cfg: DictConfig, target) -> list[Method]:
-    """AR plus the composed method (when a drafter is chosen)."""
+    """AR plus the composed method (when a drafter is chosen); `budget=oracle` expands into one
+    fixed budget per size of its sweep."""
     methods = [Method("ar")]
-    if "_target_" in cfg.drafter:
-        budget, policy = build(cfg.budget), build(cfg.tree)
-        methods.append(Method(method_name(cfg), build(cfg.drafter, target=target), policy, budget))
+    if "_target_" not in cfg.drafter:
+        return methods
+    drafter, policy = build(cfg.drafter, target=target), build(cfg.tree)
+    if cfg.budget.name == "oracle":
+        budgets = [(f"fixed{n}", FixedBudget(n)) for n in cfg.budget.sweep]
+    else:
+        budgets = [(cfg.budget.name, build(cfg.budget))]
+    profile = hardware(cfg)
+    for name, budget in budgets:
+        budget.start(target, profile, Path(cfg.cache_dir))
+        methods.append(Method(f"{cfg.drafter.name}+{cfg.tree.name}+{name}", drafter, policy, budget))
     return methods

@@ -15,7 +15,8 @@ import torch
 from bastion.drafters.base import DraftContext, Drafter
 from bastion.models.target import Target
 from bastion.tree.draft_tree import DraftTree, pack
-from bastion.verify import verify_greedy
+from bastion.sampling import GREEDY, Sampling, pick
+from bastion.verify import sample_children, verify_greedy, verify_sampled
 
 
 @dataclass
@@ -29,6 +30,7 @@ class Step:
     draft_s: float
     verify_s: float
     other_s: float
+    predicted_verify_s: float | None = None  # the budget controller's forecast of verify_s
 
 
 @dataclass
@@ -109,9 +111,14 @@ def generate(
     budget=None,
     max_new_tokens: int = 128,
     stop_strings: tuple[str, ...] = (),
+    sampling: Sampling = GREEDY,
+    seed: int = 0,
     record: tuple[int, ...] = (),
 ) -> Decoding:
-    """Decode a batch of prompts (greedy). Without a drafter this is plain AR decoding.
+    """Decode a batch of prompts. Without a drafter this is plain AR decoding.
+
+    Greedy at temperature 0; otherwise sampled (seeded by `seed`) with every method drawing
+    from exactly AR's distribution.
 
     `record` names target layers whose outputs are returned per prompt (Generation.features)
     for every token whose KV was committed: the training data of feature-conditioned drafters.
@@ -137,7 +144,8 @@ def generate(
     hidden, features = target.forward(tokens, depths, causal, cache, capture)
     cache.commit([list(range(len(p))) for p in prompts])
     last = torch.tensor([len(p) - 1 for p in prompts], device=device)
-    first = target.logits(hidden[torch.arange(len(prompts), device=device), last]).argmax(-1).tolist()
+    generator = None if sampling.greedy else torch.Generator(device=device).manual_seed(seed)
+    first = pick(target.logits(hidden[torch.arange(len(prompts), device=device), last]), sampling, generator)
     decoding = Decoding([Generation([], "") for _ in prompts], prefill_s=_now(device) - t0)
     recorded = [[features[b, : len(p)].to("cpu", torch.float16)] for b, p in enumerate(prompts)] if record else None
 
@@ -153,13 +161,21 @@ def generate(
         roots = [seq[-1] for seq in ctx.sequences]
         proposal = drafter.propose(ctx) if drafter is not None else None
         t1 = _now(device)
-        trees = budget.size(policy(proposal, max_nodes)) if proposal is not None else [DraftTree.root_only(r) for r in roots]
+        contexts = list(cache.lengths)
+        trees = budget.size(policy(proposal, max_nodes), contexts) if proposal is not None else [DraftTree.root_only(r) for r in roots]
+        draft_probs = None
+        if proposal is not None and not sampling.greedy and sampling.tree_mode == "sampled":
+            draft_probs = proposal.distributions(sampling, target.args.vocab_size)
+            trees = [sample_children(tree, draft_probs[b], generator) for b, tree in enumerate(trees)]
         tree_tokens, tree_depths, tree_mask = pack(trees, device)
         t2 = _now(device)
         hidden, features = target.forward(tree_tokens, tree_depths, tree_mask, cache, capture)
         logits = target.logits(hidden)  # [B, M, V]
         t3 = _now(device)
-        verdicts = verify_greedy(logits, trees)
+        if sampling.greedy:
+            verdicts = verify_greedy(logits, trees)
+        else:
+            verdicts = verify_sampled(logits, trees, sampling, generator, draft_probs)
         cache.commit([v.path for v in verdicts])
         if capture:
             features = _gather_paths(features, [v.path for v in verdicts])
@@ -179,10 +195,11 @@ def generate(
                 draft_s=t1 - t0,
                 verify_s=t3 - t2,
                 other_s=(t2 - t1) + (t4 - t3),
+                predicted_verify_s=budget.predicted_s if proposal is not None else None,
             )
         )
-        if budget is not None:
-            budget.observe(tree_tokens.numel(), t3 - t2)
+        if proposal is not None:
+            budget.observe(decoding.steps[-1], contexts, tree_tokens.shape[1])
     if record:
         for gen, prompt, parts in zip(decoding.generations, prompts, recorded):
             gen.features = torch.cat(parts)[: len(prompt) + len(gen.tokens) - 1]

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from bastion.sampling import Sampling
 from bastion.tree.draft_tree import DraftTree
 
 
@@ -34,3 +35,77 @@ def verify_greedy(logits: torch.Tensor, trees: list[DraftTree]) -> list[Verdict]
             path.append(child)
         verdicts.append(Verdict(path, new))
     return verdicts
+
+
+def verify_sampled(
+    logits: torch.Tensor,
+    trees: list[DraftTree],
+    sampling: Sampling,
+    generator: torch.Generator,
+    draft_probs: torch.Tensor | None = None,
+) -> list[Verdict]:
+    """Temperature > 0: multi-draft recursive rejection sampling down the tree.
+
+    At each node the children are tried in order against the target's distribution p there.
+    With `draft_probs` [B, K, V] (children sampled from q without replacement, SpecInfer /
+    Sequoia) child x is accepted w.p. min(1, p(x)/q(x)); on rejection p <- norm(max(p - q, 0))
+    and q loses x. Without it (children chosen by rank, EAGLE) x is accepted w.p. p(x); on
+    rejection p(x) <- 0. When every child is rejected the bonus token is drawn from what is
+    left of p. Either way the output is distributed exactly as AR sampling from p.
+    """
+    target_probs = sampling.probs(logits)  # [B, M, V]
+    verdicts = []
+    for b, tree in enumerate(trees):
+        node, path, new = 0, [0], []
+        while True:
+            p = target_probs[b, node]
+            q = draft_probs[b, tree.depths[node]].clone() if draft_probs is not None and tree.children[node] else None
+            child = None
+            for c in tree.children[node]:
+                x = tree.tokens[c]
+                u = torch.rand((), generator=generator, device=p.device).item()
+                if q is None:
+                    if u < p[x].item():
+                        child = c
+                        break
+                    p = p.clone()
+                    p[x] = 0.0
+                    p = p / p.sum()
+                else:
+                    if u * q[x].item() < p[x].item():
+                        child = c
+                        break
+                    residual = (p - q).clamp_min(0.0)
+                    total = residual.sum()
+                    p = residual / total if total > 0 else p  # total = 0 only when p == q up to rounding
+                    q[x] = 0.0
+                    q = q / q.sum()
+            if child is None:
+                new.append(torch.multinomial(p, 1, generator=generator).item())
+                break
+            new.append(tree.tokens[child])
+            path.append(child)
+            node = child
+        verdicts.append(Verdict(path, new))
+    return verdicts
+
+
+def sample_children(tree: DraftTree, draft_probs: torch.Tensor, generator: torch.Generator) -> DraftTree:
+    """The tree's shape with each node's children drawn from q without replacement.
+
+    draft_probs: [K, V], row d being q for depth d + 1. A node keeps at most as many children
+    as q has tokens of nonzero probability; dropped children take their subtrees with them.
+    """
+    tokens, parents, logq = [tree.tokens[0]], [-1], [0.0]
+    renumbered = {0: 0}
+    for node, kids in enumerate(tree.children):
+        if node not in renumbered or not kids:
+            continue
+        q = draft_probs[tree.depths[node]]
+        draws = torch.multinomial(q, min(len(kids), int((q > 0).sum())), replacement=False, generator=generator)
+        for kid, (x, qx) in zip(kids, zip(draws.tolist(), q[draws].log().tolist())):
+            renumbered[kid] = len(tokens)
+            tokens.append(x)
+            parents.append(renumbered[node])
+            logq.append(logq[renumbered[node]] + qx)
+    return DraftTree(tuple(tokens), tuple(parents), tuple(logq))

@@ -46,7 +46,7 @@ def test_decoding_path_equals_training_path(tiny_qwen3):
     for m, a in enumerate(anchors[0].tolist()):
         ctx = DraftContext([tokens[: a + 1]], feats[:, done:a], [a - done])
         proposal = drafter.propose(ctx)
-        torch.testing.assert_close(proposal.probs[0].log(), expected[0, m], rtol=1e-8, atol=1e-8)
+        torch.testing.assert_close(torch.log_softmax(proposal.logits[0], -1), expected[0, m], rtol=1e-8, atol=1e-8)
         done = a
 
 

@@ -19,6 +19,7 @@ from bastion.bench.datasets import Prompt, chat_tokens
 from bastion.bench.metrics import summarize
 from bastion.engine import generate
 from bastion.models.target import Target
+from bastion.sampling import GREEDY, Sampling
 
 
 @dataclass
@@ -30,8 +31,9 @@ class Method:
     policy: object | None = None
     budget: object | None = None
 
-    def generate(self, target: Target, prompts: list[list[int]], max_new_tokens: int):
-        return generate(target, prompts, drafter=self.drafter, policy=self.policy, budget=self.budget, max_new_tokens=max_new_tokens)
+    def generate(self, target: Target, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling = GREEDY, seed: int = 0):
+        return generate(target, prompts, drafter=self.drafter, policy=self.policy, budget=self.budget,
+                        max_new_tokens=max_new_tokens, sampling=sampling, seed=seed)
 
 
 def read_records(path: Path) -> list[dict]:
@@ -56,6 +58,8 @@ def run_methods(
     max_new_tokens: int,
     batch_size: int = 1,
     warmup: bool = True,
+    sampling: Sampling = GREEDY,
+    seed: int = 0,
 ) -> pd.DataFrame:
     """Decode `prompts` with every method; append records to out_dir/results.jsonl and return
     the summary (also written to out_dir/summary.csv)."""
@@ -65,13 +69,13 @@ def run_methods(
     if warmup:
         first = chat_tokens(target.tokenizer, [{"role": "user", "content": prompts[0].turns[0]}])
         for method in methods:
-            method.generate(target, [first], max_new_tokens=min(8, max_new_tokens))
+            method.generate(target, [first], min(8, max_new_tokens), sampling, seed)
     with open(results, "a") as sink:
         for method in methods:
             todo = [p for p in prompts if (method.name, bench, p.id) not in done]
             batches = [todo[i : i + batch_size] for i in range(0, len(todo), batch_size)]
             for batch in tqdm(batches, desc=f"{bench}/{method.name}", unit="batch", leave=False):
-                for record in decode_batch(target, method, batch, bench, max_new_tokens):
+                for record in decode_batch(target, method, batch, bench, max_new_tokens, sampling, seed):
                     sink.write(json.dumps(record) + "\n")
                 sink.flush()
     records = pd.DataFrame(read_records(results))
@@ -80,20 +84,22 @@ def run_methods(
     return summary
 
 
-def decode_batch(target: Target, method: Method, batch: list[Prompt], bench: str, max_new_tokens: int) -> list[dict]:
+def decode_batch(target: Target, method: Method, batch: list[Prompt], bench: str, max_new_tokens: int,
+                 sampling: Sampling = GREEDY, seed: int = 0) -> list[dict]:
     """Decode a batch of prompts turn by turn (a later turn sees the model's own earlier answers)."""
     conversations: list[list[dict]] = [[] for _ in batch]
     records = [
         {"method": method.name, "bench": bench, "prompt_id": p.id, "batch_size": len(batch), "turns": len(p.turns),
+         "temperature": sampling.temperature,
          "new_tokens": 0, "steps": 0, "prefill_s": 0.0, "batch_wall_s": 0.0, "tokens": [], "text": [], "finish": [],
-         "produced": [], "tree_sizes": [], "expected": [], "step_s": []}
+         "produced": [], "tree_sizes": [], "expected": [], "step_s": [], "verify_s": [], "predicted_verify_s": []}
         for p in batch
     ]
     for turn in range(max(len(p.turns) for p in batch)):
         rows = [i for i, p in enumerate(batch) if turn < len(p.turns)]
         for i in rows:
             conversations[i].append({"role": "user", "content": batch[i].turns[turn]})
-        decoding = method.generate(target, [chat_tokens(target.tokenizer, conversations[i]) for i in rows], max_new_tokens)
+        decoding = method.generate(target, [chat_tokens(target.tokenizer, conversations[i]) for i in rows], max_new_tokens, sampling, seed)
         for row, (i, gen) in enumerate(zip(rows, decoding.generations)):
             text = target.tokenizer.decode(gen.tokens, skip_special_tokens=True)
             conversations[i].append({"role": "assistant", "content": text})
@@ -112,6 +118,8 @@ def decode_batch(target: Target, method: Method, batch: list[Prompt], bench: str
                     rec["tree_sizes"].append(step.tree_sizes[k])
                     rec["expected"].append(step.expected[k])
                     rec["step_s"].append(step.draft_s + step.verify_s + step.other_s)
+                    rec["verify_s"].append(step.verify_s)
+                    rec["predicted_verify_s"].append(step.predicted_verify_s)
     batch_id = f"{bench}/{batch[0].id}"
     for rec in records:
         rec["batch_id"] = batch_id

@@ -1,0 +1,106 @@
+"""BASTION's budget controller: size every step's trees to maximise the predicted speedup.
+
+For the n best nodes (A_hat(n) their summed path probabilities) a step is predicted to yield
+rows + A_hat(n) tokens in C(n) = T_draft + T_verify(n) + overhead seconds, so the speedup over
+AR is S(n) = (rows + A_hat(n)) / C(n) * L_AR / rows. The controller takes the n maximising it.
+With a batch, one budget is spent over all rows: nodes are taken best first across rows (each
+row's nodes in its own order, so every row keeps a prefix-closed tree), and T_verify is the
+latency of the padded batch. T_verify comes from the roofline model in latency.py, refitted
+online from measured verify times; T_draft and the overhead are running means of measured times.
+
+A model that is wrong (a wrong hardware profile, another process on the machine) only ever
+sees the sizes it chooses, which cannot tell compute from memory costs apart. So while its
+forecasts miss by more than `tolerance`, the controller explores: it verifies at half, a
+quarter and twice its choice in turn, and refits at once, until the forecasts are right again.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from pathlib import Path
+
+import numpy as np
+
+from bastion.budget.hardware import HardwareProfile
+from bastion.budget.latency import LatencyModel, calibrated
+from bastion.tree.draft_tree import DraftTree
+
+
+class BastionBudget:
+    EXPLORE = (0.5, 0.25, 2.0)
+
+    def __init__(self, max_nodes: int = 256, calibrate: bool = True, refit_every: int = 4, smoothing: float = 0.2,
+                 tolerance: float = 0.2):
+        if max_nodes < 1:
+            raise ValueError(f"budget.max_nodes must be at least 1 (got {max_nodes}).")
+        if refit_every < 1:
+            raise ValueError(f"budget.refit_every must be at least 1 (got {refit_every}).")
+        self.max_nodes, self.calibrate, self.refit_every, self.smoothing = max_nodes, calibrate, refit_every, smoothing
+        self.tolerance = tolerance
+        self.exploring = False  # while forecasts miss
+        self._explored = 0  # explorations so far: the factors cycle across episodes
+        self.latency: LatencyModel | None = None
+        self.draft_s = self.other_s = 0.0
+        self.predicted_s: float | None = None  # predicted verify time of the last sized step
+        self._seen = 0
+
+    def start(self, target, hardware: HardwareProfile, cache_dir: Path) -> None:
+        """Build the latency model: probe-calibrated (cached), or the profile's prior alone."""
+        if self.latency is None:
+            if self.calibrate:
+                self.latency = calibrated(target, hardware, cache_dir)
+            else:
+                self.latency = LatencyModel.from_profile(target.args, target.dtype, hardware)
+
+    def size(self, trees: list[DraftTree], contexts: list[int]) -> list[DraftTree]:
+        counts, verify, speedup = self.curve(trees, contexts)
+        best = int(np.argmax(speedup))
+        if self.exploring:
+            factor = self.EXPLORE[self._explored % len(self.EXPLORE)]
+            self._explored += 1
+            best = int(np.clip(round(max(best, 1) * factor), 1, len(counts) - 1))
+        self.predicted_s = float(verify[best])
+        return [tree.truncate(int(n)) for tree, n in zip(trees, counts[best])]
+
+    def curve(self, trees: list[DraftTree], contexts: list[int]):
+        """For n = 0.. all nodes: per-row node counts [n+1, B], predicted verify time [n+1]
+        and predicted speedup over AR S(n) [n+1]."""
+        counts, gained = merge_best_first(trees)
+        new_tokens = 1 + counts.max(axis=1, keepdims=True).repeat(len(trees), axis=1)  # the padded batch
+        ctx = np.asarray(contexts)[None, :].repeat(len(counts), 0)
+        verify = self.latency.predict(new_tokens, ctx)
+        ar_step = verify[0] + self.other_s  # n = 0 is an AR step
+        speedup = (len(trees) + gained) / (self.draft_s + verify + self.other_s) * ar_step / len(trees)
+        return counts, verify, speedup
+
+    def observe(self, step, contexts: list[int], width: int) -> None:
+        """Fold in a measured step: its draft and other times, and its verify time at the
+        padded shape (`width` tokens per row after `contexts` cached ones)."""
+        s = self.smoothing if self._seen else 1.0
+        self.draft_s += s * (step.draft_s - self.draft_s)
+        self.other_s += s * (step.other_s - self.other_s)
+        self.latency.observe_forward([width] * len(contexts), contexts, step.verify_s)
+        self._seen += 1
+        missed = self.predicted_s is not None and abs(step.verify_s / self.predicted_s - 1) > self.tolerance
+        self.exploring = missed
+        if missed or self._seen % self.refit_every == 0:
+            self.latency.fit(fit_shape=self.latency.distinct_sizes() >= 4)
+
+
+def merge_best_first(trees: list[DraftTree]) -> tuple[np.ndarray, np.ndarray]:
+    """Take the rows' nodes one at a time, always the best next node of any row (each row's
+    nodes in its own order). Returns per-row node counts after each pick [n+1, B] and the
+    summed path probability A_hat after each pick [n+1]."""
+    heap = [(-math.exp(t.logq[1]), b) for b, t in enumerate(trees) if t.n_nodes]
+    heapq.heapify(heap)
+    taken = [0] * len(trees)
+    counts, gained = [list(taken)], [0.0]
+    while heap:
+        neg, b = heapq.heappop(heap)
+        taken[b] += 1
+        counts.append(list(taken))
+        gained.append(gained[-1] - neg)
+        if taken[b] < trees[b].n_nodes:
+            heapq.heappush(heap, (-math.exp(trees[b].logq[taken[b] + 1]), b))
+    return np.asarray(counts), np.asarray(gained)

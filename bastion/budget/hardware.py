@@ -1,0 +1,69 @@
+"""Hardware profiles: peak dense FLOP/s per dtype and memory bandwidth.
+
+Numbers are vendor datasheet figures (dense, no sparsity) for the GPUs, and measured ones for
+this project's CPU machines. They are only the latency model's prior: a start-up probe and
+online calibration correct whatever a profile gets wrong (see latency.py).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    name: str
+    peak_tflops: dict[str, float]  # dtype name -> dense TFLOP/s
+    memory_gbs: float  # GB/s
+    launch_overhead_ms: float = 0.0  # fixed cost of one forward (kernel launches, Python)
+
+    def flops_per_s(self, dtype: torch.dtype) -> float:
+        name = str(dtype).removeprefix("torch.")
+        return 1e12 * self.peak_tflops.get(name, self.peak_tflops.get("float32", 1.0))
+
+    @property
+    def bytes_per_s(self) -> float:
+        return 1e9 * self.memory_gbs
+
+
+def profile_from_config(cfg: dict, device: str, known: list[dict]) -> HardwareProfile:
+    """conf/gpu/<name>.yaml -> a profile; `auto` matches the device against `known` (the
+    other conf/gpu entries) by name, or measures it."""
+    if cfg["name"] == "auto":
+        if device.startswith("cuda"):
+            gpu = torch.cuda.get_device_name(torch.device(device)).lower()
+            cfg = next((k for k in known if any(m in gpu for m in k.get("match", []))), None)
+        else:
+            cfg = None
+        if cfg is None:
+            return measure(device)
+    return HardwareProfile(cfg["name"], dict(cfg["peak_tflops"]), cfg["memory_gbs"], cfg.get("launch_overhead_ms", 0.0))
+
+
+def measure(device: str) -> HardwareProfile:
+    """Best observed matmul FLOP/s (fp32) and copy bandwidth of this device: a few seconds."""
+    dev = torch.device(device)
+
+    def best_time(fn, repeats=5):
+        fn()
+        times = []
+        for _ in range(repeats):
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            t0 = time.perf_counter()
+            fn()
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    n = 2048 if dev.type == "cuda" else 1024
+    a, b = torch.randn(n, n, device=dev), torch.randn(n, n, device=dev)
+    tflops = 2 * n**3 / best_time(lambda: a @ b) / 1e12
+    src = torch.empty(64 * 2**20 // 4, device=dev)  # 64 MiB
+    dst = torch.empty_like(src)
+    gbs = 2 * src.numel() * 4 / best_time(lambda: dst.copy_(src)) / 1e9
+    return HardwareProfile(f"measured-{dev.type}", {"float32": tflops, "bfloat16": tflops, "float16": tflops}, gbs)

@@ -1,0 +1,157 @@
+"""A roofline model of the target's verify latency, calibrated on measured times.
+
+A forward of n tokens (summed over rows) does F FLOPs (weights, attention, LM head) and moves
+B bytes (the weights once, each row's KV cache). Under a roofline it takes
+    T = t0 + smoothmax(a * F / peak_flops, b * B / bandwidth)
+with a, b the inverse efficiencies of compute and memory, t0 a fixed cost per forward, and
+smoothmax(x, y) = (x^p + y^p)^(1/p): p -> inf is the textbook max (GPUs overlap compute and
+memory traffic), p = 1 their sum (CPUs mostly do not). The hardware profile gives the prior;
+a short probe at start-up fits all four parameters (cached per device, model, dtype and
+attention backend) and measured step times keep refitting t0, a and b online, so a wrong
+profile corrects itself within a few steps.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from scipy.optimize import least_squares
+
+from bastion.budget.hardware import HardwareProfile
+from bastion.models.transformer import ModelArgs
+
+PROBE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+@dataclass
+class ForwardCost:
+    """FLOPs and bytes of one target forward, from the model's shape."""
+
+    args: ModelArgs
+    bytes_per_param: int
+
+    def __post_init__(self):
+        a = self.args
+        attn = a.hidden_size * a.head_dim * (2 * a.n_heads + 2 * a.n_kv_heads)
+        mlp = 3 * a.hidden_size * a.intermediate_size
+        self.layer_params = a.n_layers * (attn + mlp)
+        self.head_params = a.hidden_size * a.vocab_size
+        self.kv_bytes_per_token = 2 * a.n_layers * a.n_kv_heads * a.head_dim * self.bytes_per_param
+
+    def flops_bytes(self, new_tokens: np.ndarray, contexts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """new_tokens, contexts: [..., rows] tokens forwarded and tokens cached per row."""
+        a = self.args
+        n = new_tokens.sum(-1)
+        attended = (new_tokens * (contexts + new_tokens)).sum(-1)
+        flops = 2 * (self.layer_params + self.head_params) * n + 4 * a.n_layers * a.n_heads * a.head_dim * attended
+        moved = (self.layer_params + self.head_params) * self.bytes_per_param + self.kv_bytes_per_token * (contexts + new_tokens).sum(-1)
+        return flops.astype(float), moved.astype(float)
+
+
+@dataclass
+class LatencyModel:
+    cost: ForwardCost
+    peak_flops: float
+    bandwidth: float
+    theta: np.ndarray = field(default=None)  # log t0, log a, log b, log(p - 1 + 1e-3)
+    prior: np.ndarray = field(default=None)  # what fits are pulled towards: the profile's, or the probe's fit
+    points: list[tuple[float, float, float]] = field(default_factory=list)  # (flops, bytes, seconds)
+    max_points: int = 256
+
+    def __post_init__(self):
+        if self.prior is None and self.theta is not None:
+            self.prior = np.array(self.theta, dtype=float)
+
+    @classmethod
+    def from_profile(cls, args: ModelArgs, dtype: torch.dtype, hw: HardwareProfile) -> LatencyModel:
+        cost = ForwardCost(args, torch.finfo(dtype).bits // 8)
+        is_gpu = hw.name not in ("cpu",) and not hw.name.startswith("measured-cpu")
+        prior = np.log([max(hw.launch_overhead_ms, 1e-3) * 1e-3, 1 / 0.6, 1 / 0.8, (8.0 if is_gpu else 1.0) - 1 + 1e-3])
+        return cls(cost, hw.flops_per_s(dtype), hw.bytes_per_s, prior)
+
+    def predict(self, new_tokens: np.ndarray, contexts: np.ndarray) -> np.ndarray:
+        flops, moved = self.cost.flops_bytes(np.asarray(new_tokens), np.asarray(contexts))
+        return self._predict(self.theta, flops, moved)
+
+    def _predict(self, theta, flops, moved):
+        t0, a, b, p = np.exp(theta[0]), np.exp(theta[1]), np.exp(theta[2]), 1 + np.exp(theta[3]) - 1e-3
+        x, y = a * flops / self.peak_flops, b * moved / self.bandwidth
+        m = np.maximum(x, y)
+        return t0 + m * ((x / m) ** p + (y / m) ** p) ** (1 / p)
+
+    def fit(self, fit_shape: bool, prior_weight: float = 0.01) -> None:
+        """Least squares on log time over the recorded points (weight 1 each), pulled towards
+        the prior with `prior_weight` per parameter. `fit_shape` also fits p; otherwise p
+        stays the prior's, since a few sizes cannot pin the curve's shape down."""
+        if not self.points:
+            return
+        flops, moved, seconds = map(np.asarray, zip(*self.points))
+        free = [0, 1, 2, 3] if fit_shape else [0, 1, 2]
+        base = self.prior.copy()
+
+        def residuals(z):
+            theta = base.copy()
+            theta[free] = z
+            fit = np.log(self._predict(theta, flops, moved)) - np.log(seconds)
+            return np.concatenate([fit, math.sqrt(prior_weight) * (z - base[free])])
+
+        fitted = least_squares(residuals, self.theta[free], method="trf").x
+        self.theta = base.copy()
+        self.theta[free] = fitted
+
+    def distinct_sizes(self) -> int:
+        """Distinct forward costs among the points: enough of them make the curve's shape (p) identifiable."""
+        return len({round(math.log(f), 1) for f, _, _ in self.points})
+
+    def observe(self, flops: float, moved: float, seconds: float) -> None:
+        self.points.append((flops, moved, seconds))
+        del self.points[: -self.max_points]
+
+    def observe_forward(self, new_tokens: list[int], contexts: list[int], seconds: float) -> None:
+        flops, moved = self.cost.flops_bytes(np.asarray(new_tokens), np.asarray(contexts))
+        self.observe(float(flops), float(moved), seconds)
+
+
+def probe(target, model: LatencyModel, sizes=PROBE_SIZES, context: int = 256, repeats: int = 3) -> None:
+    """Time target forwards of `sizes` chain tokens after `context` cached tokens, and fit."""
+    from bastion.engine import _now
+
+    device = target.device
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, target.args.vocab_size, (1, context + max(sizes)), generator=gen).to(device)
+    for n in sizes:
+        times = []
+        for _ in range(repeats + 1):
+            cache = target.new_cache(1, context + n)
+            cache.lengths = [context]
+            mask = torch.ones(1, n, n, dtype=torch.bool, device=device).tril()
+            t0 = _now(device)
+            hidden, _ = target.forward(tokens[:, context : context + n], torch.arange(n, device=device)[None], mask, cache)
+            target.logits(hidden)
+            times.append(_now(device) - t0)
+        model.observe_forward([n], [context], float(np.median(times[1:])))  # the first run warms up
+    model.fit(fit_shape=True, prior_weight=1e-3)
+
+
+def calibrated(target, hw: HardwareProfile, cache_dir: Path, use_cache: bool = True) -> LatencyModel:
+    """The probe-fitted model for this device / model / dtype / attention backend, cached."""
+    model = LatencyModel.from_profile(target.args, target.dtype, hw)
+    device = torch.cuda.get_device_name(target.device) if target.device.type == "cuda" else "cpu"
+    key = f"{device}__{target.name}__{str(target.dtype).removeprefix('torch.')}__sdpa".replace(" ", "_").replace("/", "_")
+    path = Path(cache_dir) / "latency" / f"{key}.json"
+    if use_cache and path.exists():
+        saved = json.loads(path.read_text())
+        model.theta, model.points = np.asarray(saved["theta"]), [tuple(p) for p in saved["points"]]
+    else:
+        started = time.perf_counter()
+        probe(target, model)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"theta": model.theta.tolist(), "points": model.points, "probe_s": time.perf_counter() - started}))
+    model.prior = model.theta.copy()  # online refits stay near the probe's fit unless measurements say otherwise
+    return model

@@ -1,0 +1,110 @@
+"""Roofline latency model, its calibration, and the BASTION controller's choices."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from bastion.budget.controller import BastionBudget, merge_best_first
+from bastion.budget.hardware import HardwareProfile, profile_from_config
+from bastion.budget.latency import ForwardCost, LatencyModel
+from bastion.models.transformer import ModelArgs
+from bastion.tree.draft_tree import DraftTree
+
+ARGS = ModelArgs(arch="llama", vocab_size=1000, hidden_size=64, intermediate_size=128, n_layers=2, n_heads=4,
+                 n_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, max_position=512, tie_word_embeddings=True,
+                 attention_bias=False, output_bias=False, qk_norm=False)
+H100 = HardwareProfile("h100", {"float32": 67, "bfloat16": 989}, 3350, 3.0)
+CPU = HardwareProfile("cpu", {"float32": 0.14}, 8, 2.0)
+
+
+def test_forward_cost_counts_by_hand():
+    cost = ForwardCost(ARGS, bytes_per_param=4)
+    layer = 64 * 16 * (2 * 4 + 2 * 2) + 3 * 64 * 128  # q,o + k,v ; gate, up, down
+    assert cost.layer_params == 2 * layer and cost.head_params == 64 * 1000
+    flops, moved = cost.flops_bytes(np.array([3]), np.array([10]))
+    assert flops == 2 * (2 * layer + 64000) * 3 + 4 * 2 * 4 * 16 * (3 * 13)
+    assert moved == (2 * layer + 64000) * 4 + (2 * 2 * 2 * 16 * 4) * 13
+
+
+SMOL = ModelArgs(arch="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, n_layers=30, n_heads=9,
+                 n_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, max_position=8192, tie_word_embeddings=True,
+                 attention_bias=False, output_bias=False, qk_norm=False)
+
+
+def synthetic_truth(theta, args=SMOL) -> LatencyModel:
+    return LatencyModel(ForwardCost(args, 4), CPU.flops_per_s(torch.float32), CPU.bytes_per_s, np.asarray(theta, dtype=float))
+
+
+# SmolLM2-135M on a 2-core CPU: ~5 ms fixed, compute at ~50 GFLOP/s, memory at ~7.5 GB/s, summed
+TRUE_CPU = [math.log(0.005), math.log(2.8), math.log(1.07), math.log(1e-3)]
+
+
+def test_fit_recovers_the_parameters_that_made_the_times():
+    truth = synthetic_truth(TRUE_CPU)
+    model = synthetic_truth([math.log(0.001), 0.0, 0.0, math.log(7.0)])  # starts far off
+    for n in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+        model.observe_forward([n], [256], float(truth.predict(np.array([n]), np.array([256]))))
+    model.fit(fit_shape=True, prior_weight=1e-6)
+    sizes = np.arange(1, 300)[:, None]
+    errors = np.abs(model.predict(sizes, np.full_like(sizes, 256)) / truth.predict(sizes, np.full_like(sizes, 256)) - 1)
+    assert errors.max() < 0.02
+
+
+def chain(n, p=0.8, root=0) -> DraftTree:
+    return DraftTree(tuple(range(root, root + n + 1)), tuple(range(-1, n)), tuple(k * math.log(p) for k in range(n + 1)))
+
+
+def test_merge_takes_the_best_next_node_of_any_row_keeping_prefixes():
+    a, b = chain(3, 0.9), chain(3, 0.7)  # path probabilities .9 .81 .73 and .7 .49 .34
+    counts, gained = merge_best_first([a, b])
+    assert counts.tolist() == [[0, 0], [1, 0], [2, 0], [3, 0], [3, 1], [3, 2], [3, 3]]
+    c = chain(3, 0.85)  # .85 .72 .61 interleave with a's nodes
+    counts, _ = merge_best_first([a, c])
+    assert counts.tolist() == [[0, 0], [1, 0], [1, 1], [2, 1], [3, 1], [3, 2], [3, 3]]
+    assert gained[-1] == pytest.approx(a.expected_accepted() + b.expected_accepted())
+
+
+def controller(theta, profile=CPU, args=SMOL) -> BastionBudget:
+    budget = BastionBudget(max_nodes=256, calibrate=False)
+    budget.latency = LatencyModel.from_profile(args, torch.float32, profile)
+    if theta is not None:
+        budget.latency.theta = budget.latency.prior = np.asarray(theta, dtype=float)
+    return budget
+
+
+def test_bigger_trees_when_verifying_is_cheap():
+    tree = chain(200, 0.97)
+    flat = controller([math.log(0.01), math.log(1e-6), math.log(1e-6), 0.0], args=ARGS)  # verify cost ~constant
+    steep = controller([math.log(1e-4), math.log(50.0), math.log(1e-6), 0.0], args=ARGS)  # compute-bound from 1 token
+    assert flat.size([tree], [100])[0].n_nodes == 200
+    assert steep.size([tree], [100])[0].n_nodes < 20
+
+
+def test_wrong_profile_corrects_itself_online():
+    """Started with the H100 prior on a (simulated) CPU, the chosen size approaches the one the
+    true latency gives, from measured verify times alone."""
+    truth = synthetic_truth(TRUE_CPU)
+    tree = chain(256, 0.93)
+    right = controller(TRUE_CPU).size([tree], [300])[0].n_nodes
+    wrong = controller(None, H100)
+    chosen = []
+    for _ in range(20):
+        n = wrong.size([tree], [300])[0].n_nodes
+        chosen.append(n)
+        seconds = float(truth.predict(np.array([n + 1]), np.array([300])))
+        wrong.observe(SimpleNamespace(draft_s=0.0, other_s=0.0, verify_s=seconds), [300], n + 1)
+    assert all(abs(n - right) <= 0.2 * right for n in chosen[-5:]), (right, chosen)
+    assert chosen[0] > 2 * right  # it did start far off
+
+
+def test_profiles_and_bad_budgets():
+    cfg = {"name": "h100", "peak_tflops": {"bfloat16": 989}, "memory_gbs": 3350}
+    assert profile_from_config(cfg, "cpu", []).memory_gbs == 3350
+    assert profile_from_config({"name": "auto"}, "cpu", [cfg]).name == "measured-cpu"
+    with pytest.raises(ValueError, match="max_nodes must be at least 1"):
+        BastionBudget(max_nodes=0)

@@ -1,0 +1,195 @@
+"""Temperature > 0: every method's output distribution equals AR sampling's.
+
+A tiny 16-token model, a fixed prompt, the first three tokens: their exact joint distribution
+is computed from the target, and a chi-square test compares it with the samples of each
+method (AR included). The drafter proposes noisy versions of the target's own distributions,
+so trees accept deep paths and also reject. The test has the power to see a 2% shift, and it
+does fail against a verifier that accepts by argmax (kept here, in the test only).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+
+import pytest
+import torch
+
+import bastion.engine
+from bastion.budget.fixed import FixedBudget
+from bastion.drafters.base import BlockProposal, DraftContext
+from bastion.engine import generate
+from bastion.models.target import load_target
+from bastion.sampling import Sampling
+from bastion.tree.best_first import best_first
+from bastion.tree.chain import chain
+from bastion.verify import Verdict
+from tests.conftest import target_config
+
+V, PROMPT, N_TOKENS = 16, [3, 5, 7, 9, 11], 3
+ROWS, SEEDS = 8000, 4  # 32,000 samples per method
+CATEGORIES = 12  # the 11 likeliest sequences and "any other": few degrees of freedom, high power
+
+
+@pytest.fixture(scope="module")
+def tiny16():
+    cfg = target_config("tiny_qwen3", dtype="float64", tokenizer=None)
+    cfg["hf_config"] = {**cfg["hf_config"], "vocab_size": V, "hidden_size": 32, "intermediate_size": 64,
+                        "head_dim": 8, "initializer_range": 0.5}
+    return dataclasses.replace(load_target(**cfg), eos_ids=frozenset())
+
+
+def context_logits(target) -> dict[tuple[int, ...], torch.Tensor]:
+    """Target logits after the prompt and every continuation of up to N_TOKENS - 1 tokens."""
+    table = {}
+    for n in range(N_TOKENS):
+        conts = list(itertools.product(range(V), repeat=n))
+        tokens = torch.tensor([PROMPT + list(c) for c in conts])
+        B, L = tokens.shape
+        cache = target.new_cache(B, L)
+        hidden, _ = target.forward(tokens, torch.arange(L).expand(B, L), torch.ones(B, L, L, dtype=torch.bool).tril(), cache)
+        table.update(zip(conts, target.logits(hidden[:, -1])))
+    return table
+
+
+def exact_joint(table, sampling: Sampling) -> dict[tuple[int, ...], float]:
+    probs = {c: sampling.probs(l) for c, l in table.items()}
+    return {seq: math.prod(probs[seq[:i]][seq[i]].item() for i in range(N_TOKENS))
+            for seq in itertools.product(range(V), repeat=N_TOKENS)}
+
+
+class TableDrafter:
+    """Proposes, for each position, the target's own logits along its greedy continuation,
+    plus fixed noise: close to the target (deep acceptances), never equal (rejections)."""
+
+    feature_layers = ()
+
+    def __init__(self, table, block_size=3, noise=0.7, seed=0):
+        gen = torch.Generator().manual_seed(seed)
+        self.table = {c: l + noise * torch.randn(V, generator=gen, dtype=l.dtype) for c, l in table.items()}
+        self.block_size = block_size
+
+    def reset(self, batch_size, capacity):
+        pass
+
+    def keep_rows(self, rows):
+        pass
+
+    def propose(self, ctx: DraftContext) -> BlockProposal:
+        rows = []
+        for seq in ctx.sequences:
+            cont, logits = tuple(seq[len(PROMPT):]), []
+            for _ in range(self.block_size):
+                row = self.table.get(cont, torch.zeros(V, dtype=torch.float64))
+                logits.append(row)
+                cont = cont + (int(row.argmax()),)
+            rows.append(torch.stack(logits))
+        logits = torch.stack(rows)  # [B, K, V]
+        top = torch.log_softmax(logits, -1).topk(4, dim=-1)
+        return BlockProposal([s[-1] for s in ctx.sequences], top.indices, top.values, logits)
+
+
+def sample_counts(target, sampling, method=None) -> dict[tuple[int, ...], int]:
+    counts: dict[tuple[int, ...], int] = {}
+    for seed in range(SEEDS):
+        d = generate(target, [PROMPT] * ROWS, max_new_tokens=N_TOKENS, sampling=sampling, seed=seed, **(method or {}))
+        for g in d.generations:
+            counts[tuple(g.tokens)] = counts.get(tuple(g.tokens), 0) + 1
+    return counts
+
+
+def chi_square_p_value(counts, joint) -> float:
+    """Pearson's test over the CATEGORIES - 1 likeliest sequences plus the pooled rest."""
+    n = sum(counts.values())
+    top = sorted(joint, key=joint.get, reverse=True)[: CATEGORIES - 1]
+    observed = [counts.get(seq, 0) for seq in top]
+    expected = [n * joint[seq] for seq in top]
+    observed.append(n - sum(observed))
+    expected.append(n - sum(expected))
+    stat = sum((o - e) ** 2 / e for o, e in zip(observed, expected))
+    return chi_square_tail(stat, CATEGORIES - 1)
+
+
+def chi_square_tail(stat: float, dof: int) -> float:
+    z = ((stat / dof) ** (1 / 3) - (1 - 2 / (9 * dof))) / math.sqrt(2 / (9 * dof))
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+SAMPLINGS = [Sampling(1.0), Sampling(0.7, top_k=6, top_p=0.9)]
+
+
+def methods(table, mode):
+    drafter = TableDrafter(table)
+    return {
+        "chain": dict(drafter=drafter, policy=chain, budget=FixedBudget(3)),
+        "best_first": dict(drafter=drafter, policy=best_first, budget=FixedBudget(6)),
+    }
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS, ids=["T1", "T0.7-k6-p0.9"])
+def test_every_method_samples_the_target_distribution(tiny16, sampling):
+    table = context_logits(tiny16)
+    joint = exact_joint(table, sampling)
+    assert chi_square_p_value(sample_counts(tiny16, sampling), joint) > 1e-3, "AR sampling itself"
+    for mode in ("sampled", "ranked"):
+        s = dataclasses.replace(sampling, tree_mode=mode)
+        for name, method in methods(table, mode).items():
+            p = chi_square_p_value(sample_counts(tiny16, s, method), joint)
+            assert p > 1e-3, f"{name} ({mode} children): distribution differs from AR (chi-square p={p:.2g})"
+
+
+def test_the_test_sees_a_two_percent_shift(tiny16):
+    joint = exact_joint(context_logits(tiny16), Sampling(1.0))
+    n = ROWS * SEEDS
+    top = sorted(joint, key=joint.get, reverse=True)
+    shifted = dict(joint)
+    shifted[top[0]] += 0.02  # 2 points more for the likeliest sequence: the hardest single shift to see
+    for seq in top[1:]:
+        shifted[seq] -= 0.02 * joint[seq] / (1 - joint[top[0]])
+    expected_counts = {seq: n * p for seq, p in shifted.items()}
+    assert chi_square_p_value(expected_counts, joint) < 1e-3
+
+
+def argmax_verifier(logits, trees, sampling, generator, draft_probs=None):
+    """The bug this suite must catch: drafts checked against the argmax, only the bonus sampled."""
+    probs = sampling.probs(logits)
+    verdicts = []
+    for b, tree in enumerate(trees):
+        node, path, new = 0, [0], []
+        while True:
+            best = int(probs[b, node].argmax())
+            child = next((c for c in tree.children[node] if tree.tokens[c] == best), None)
+            if child is None:
+                new.append(torch.multinomial(probs[b, node], 1, generator=generator).item())
+                break
+            new.append(best)
+            path.append(child)
+            node = child
+        verdicts.append(Verdict(path, new))
+    return verdicts
+
+
+def test_argmax_acceptance_fails_the_test(tiny16, monkeypatch):
+    table = context_logits(tiny16)
+    sampling = Sampling(1.0, tree_mode="ranked")
+    monkeypatch.setattr(bastion.engine, "verify_sampled", argmax_verifier)
+    counts = sample_counts(tiny16, sampling, methods(table, "ranked")["best_first"])
+    assert chi_square_p_value(counts, exact_joint(table, sampling)) < 1e-6
+
+
+def test_same_seed_same_output(tiny16):
+    table = context_logits(tiny16)
+    method = methods(table, "sampled")["best_first"]
+    runs = [generate(tiny16, [PROMPT] * 8, max_new_tokens=12, sampling=Sampling(1.0), seed=s, **method) for s in (5, 5, 6)]
+    tokens = [[g.tokens for g in d.generations] for d in runs]
+    assert tokens[0] == tokens[1] and tokens[0] != tokens[2]
+
+
+def test_bad_sampling_settings_are_refused():
+    with pytest.raises(ValueError, match="temperature >= 0"):
+        Sampling(-1.0)
+    with pytest.raises(ValueError, match="0 < top_p <= 1"):
+        Sampling(1.0, top_p=0.0)
+    with pytest.raises(ValueError, match="tree_mode must be one of sampled, ranked"):
+        Sampling(1.0, tree_mode="coupled")
