@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
+from functools import partial
 from pathlib import Path
 
 import torch
-from hydra.utils import instantiate
+from hydra.utils import get_object
 from omegaconf import DictConfig, OmegaConf
 
 from bastion.bench.runner import Method
@@ -19,12 +21,16 @@ LABELS = ("name", "drafters")  # keys that describe a choice rather than configu
 
 
 def build(node: DictConfig | None, **kwargs):
-    """Instantiate one config-group entry, leaving out its LABELS. Entries without `_target_`
-    (drafter=none) build to None."""
+    """Call one config-group entry's `_target_` with its other keys (LABELS left out) and
+    `kwargs` (the live objects it needs, e.g. the target); `_partial_: true` returns a partial.
+    Entries without `_target_` (drafter=none) build to None."""
     if node is None or "_target_" not in node:
         return None
     spec = {k: v for k, v in OmegaConf.to_container(node, resolve=True).items() if k not in LABELS}
-    return instantiate(spec, _convert_="all", **kwargs)
+    factory = get_object(spec.pop("_target_"))
+    if spec.pop("_partial_", False):
+        return partial(factory, **spec, **kwargs)
+    return factory(**spec, **kwargs)
 
 
 def resolve_device(device: str) -> str:
@@ -41,18 +47,43 @@ def hardware(cfg: DictConfig) -> HardwareProfile:
 
 
 def build_methods(cfg: DictConfig, target) -> list[Method]:
-    """AR plus the composed method (when a drafter is chosen); `budget=oracle` expands into one
-    fixed budget per size of its sweep."""
-    methods = [Method("ar")]
-    if "_target_" not in cfg.drafter:
-        return methods
-    drafter, policy = build(cfg.drafter, target=target), build(cfg.tree)
-    if cfg.budget.name == "oracle":
-        budgets = [(f"fixed{n}", FixedBudget(n)) for n in cfg.budget.sweep]
-    else:
-        budgets = [(cfg.budget.name, build(cfg.budget))]
-    profile = hardware(cfg)
-    for name, budget in budgets:
-        budget.start(target, profile, Path(cfg.cache_dir))
-        methods.append(Method(f"{cfg.drafter.name}+{cfg.tree.name}+{name}", drafter, policy, budget))
+    """AR plus the composed method, or AR plus every entry of `methods` (an experiment's list);
+    `budget=oracle` expands into one fixed budget per size of its sweep. Methods sharing a
+    drafter configuration share one drafter instance."""
+    specs = OmegaConf.to_container(cfg.methods) if cfg.get("methods") else [{}]
+    profile, drafters, methods = None, {}, [Method("ar")]
+    for spec in specs:
+        node = method_config(cfg, spec)
+        if "_target_" not in node.drafter:
+            continue
+        key = json.dumps(OmegaConf.to_container(node.drafter, resolve=True), sort_keys=True)
+        if key not in drafters:
+            drafters[key] = build(node.drafter, target=target)
+        policy = build(node.tree)
+        if node.budget.name == "oracle":
+            budgets = [(f"fixed{n}", FixedBudget(n)) for n in node.budget.sweep]
+        else:
+            budgets = [(node.budget.name, build(node.budget))]
+        profile = profile or hardware(cfg)
+        prefix = f"{node.drafter.name}+{node.tree.name}"
+        oracle = spec.get("name", f"{prefix}+oracle") if node.budget.name == "oracle" else None
+        for budget_name, budget in budgets:
+            budget.start(target, profile, Path(cfg.cache_dir))
+            name = spec.get("name") if not oracle and spec.get("name") else f"{prefix}+{budget_name}"
+            methods.append(Method(name, drafters[key], policy, budget, oracle))
     return methods
+
+
+def method_config(cfg: DictConfig, spec: dict) -> DictConfig:
+    """The run's config with one method's choices swapped in: spec = {drafter: <choice>,
+    tree: <choice>, budget: <choice>, overrides: {dotted.key: value}} (all optional)."""
+    node = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
+    for group in ("drafter", "tree", "budget"):
+        if group in spec:
+            path = CONF_DIR / group / f"{spec[group]}.yaml"
+            if not path.exists():
+                raise ValueError(f"Unknown {group} '{spec[group]}' in methods; choose one of {', '.join(p.stem for p in path.parent.glob('*.yaml'))}.")
+            node[group] = OmegaConf.load(path)
+    for key, value in (spec.get("overrides") or {}).items():
+        OmegaConf.update(node, key, value, force_add=True)
+    return node

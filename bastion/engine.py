@@ -132,7 +132,9 @@ def generate(
     if record and tuple(record) != capture:
         raise ValueError("record must name the drafter's feature layers (or be used without a drafter)")
     max_nodes = budget.max_nodes if drafter else 0
-    capacity = max(len(p) for p in prompts) + max_new_tokens + max_nodes + 1
+    rides_along = hasattr(drafter, "verify_forward")  # drafts inside the verification forward when it pays
+    extra = drafter.extra_tokens(max_nodes) if rides_along else 0
+    capacity = max(len(p) for p in prompts) + max_new_tokens + max_nodes + 1 + extra
     cache = target.new_cache(len(prompts), capacity)
 
     # Prefill: every prompt in one forward, right-padded; the first new token comes from its last position.
@@ -153,7 +155,7 @@ def generate(
     keep = _extend_outputs(decoding, active, [[t] for t in first], stopper, step=False)
     if drafter is not None:
         drafter.reset(len(prompts), capacity)
-    ctx = DraftContext([list(p) + [t] for p, t in zip(prompts, first)], features, [len(p) for p in prompts])
+    ctx = DraftContext([list(p) + [t] for p, t in zip(prompts, first)], features, [len(p) for p in prompts], cache)
     active = _keep_rows(keep, active, cache, drafter, ctx)
 
     while active:
@@ -169,7 +171,11 @@ def generate(
             trees = [sample_children(tree, draft_probs[b], generator) for b, tree in enumerate(trees)]
         tree_tokens, tree_depths, tree_mask = pack(trees, device)
         t2 = _now(device)
-        hidden, features = target.forward(tree_tokens, tree_depths, tree_mask, cache, capture)
+        parallel = rides_along and drafter.parallel(trees, contexts)
+        if parallel:
+            hidden, features = drafter.verify_forward(cache, trees, tree_tokens, tree_depths, tree_mask), None
+        else:
+            hidden, features = target.forward(tree_tokens, tree_depths, tree_mask, cache, capture)
         logits = target.logits(hidden)  # [B, M, V]
         t3 = _now(device)
         if sampling.greedy:
@@ -177,12 +183,14 @@ def generate(
         else:
             verdicts = verify_sampled(logits, trees, sampling, generator, draft_probs)
         cache.commit([v.path for v in verdicts])
+        if parallel:
+            drafter.accept([v.path for v in verdicts])
         if capture:
             features = _gather_paths(features, [v.path for v in verdicts])
             if record:
                 for row, (i, v) in enumerate(zip(active, verdicts)):
                     recorded[i].append(features[row, : len(v.path)].to("cpu", torch.float16))
-        ctx = DraftContext([seq + v.tokens for seq, v in zip(ctx.sequences, verdicts)], features, [len(v.path) for v in verdicts])
+        ctx = DraftContext([seq + v.tokens for seq, v in zip(ctx.sequences, verdicts)], features, [len(v.path) for v in verdicts], cache)
         keep = _extend_outputs(decoding, active, [v.tokens for v in verdicts], stopper, step=True)
         step_rows, active = active, _keep_rows(keep, active, cache, drafter, ctx)
         t4 = _now(device)

@@ -10,8 +10,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from bastion.bench.datasets import load_prompts
 from bastion.bench.metrics import with_oracle
-from bastion.bench.runner import run_methods
-from bastion.compose import build, build_methods, resolve_device
+from bastion.bench.runner import run_methods, summarize_run
+from bastion.compose import build, build_methods, method_config, resolve_device
 from bastion.sampling import Sampling
 
 
@@ -21,24 +21,27 @@ def run(cfg: DictConfig) -> None:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
-    Sampling(cfg.decode.temperature, cfg.decode.top_k, cfg.decode.top_p, cfg.decode.tree_mode)  # validate early
+    d = cfg.decode
+    sampling = Sampling(d.temperature, d.top_k, d.top_p, d.tree_mode)
     if cfg.decode.max_new_tokens < 1:
         raise ValueError(f"decode.max_new_tokens must be at least 1 (got {cfg.decode.max_new_tokens}).")
     if cfg.decode.batch_size < 1:
         raise ValueError(f"decode.batch_size must be at least 1 (got {cfg.decode.batch_size}).")
-    if cfg.budget.name != "oracle":
-        build(cfg.budget)  # an impossible budget fails here, before any model loads
+    for spec in OmegaConf.to_container(cfg.methods) if cfg.get("methods") else [{}]:
+        node = method_config(cfg, spec)  # an unknown choice or impossible budget fails here, before any model loads
+        if node.budget.name != "oracle":
+            build(node.budget)
     b = cfg.bench
-    prompts = load_prompts(b.name, b.get("limit"), b.get("data_dir"), b.get("shuffle", False), b.get("seed", 0), b.get("path"), b.get("field"))
+    names = list(b.names) if b.name == "all" else [b.name]
+    prompts = {n: load_prompts(n, b.get("limit"), b.get("data_dir"), b.get("shuffle", False), b.get("seed", 0), b.get("path"), b.get("field")) for n in names}
     target = build(cfg.target, name=cfg.target.name)
     methods = build_methods(cfg, target)
     out_dir = Path(HydraConfig.get().runtime.output_dir)
-    d = cfg.decode
-    sampling = Sampling(d.temperature, d.top_k, d.top_p, d.tree_mode)
-    summary = run_methods(target, methods, prompts, b.name, out_dir, d.max_new_tokens, d.batch_size, cfg.warmup, sampling, cfg.seed)
-    if cfg.budget.name == "oracle":
-        swept = [m.name for m in methods[1:]]
-        summary = with_oracle(summary, swept, f"{cfg.drafter.name}+{cfg.tree.name}+oracle")
-        summary.to_csv(out_dir / "summary.csv", index=False)
+    for name in names:
+        run_methods(target, methods, prompts[name], name, out_dir, d.max_new_tokens, d.batch_size, cfg.warmup, sampling, cfg.seed)
+    summary = summarize_run(out_dir, prompts)
+    for oracle in dict.fromkeys(m.oracle for m in methods if m.oracle):
+        summary = with_oracle(summary, [m.name for m in methods if m.oracle == oracle], oracle)
+    summary.to_csv(out_dir / "summary.csv", index=False)
     print(summary.to_string(index=False, float_format=lambda x: f"{x:.3f}"))
     print(f"records: {out_dir / 'results.jsonl'}\nsummary: {out_dir / 'summary.csv'}")

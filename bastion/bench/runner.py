@@ -30,6 +30,7 @@ class Method:
     drafter: object | None = None
     policy: object | None = None
     budget: object | None = None
+    oracle: str | None = None  # an oracle sweep's fixed budgets share the name their best is reported under
 
     def generate(self, target: Target, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling = GREEDY, seed: int = 0):
         return generate(target, prompts, drafter=self.drafter, policy=self.policy, budget=self.budget,
@@ -60,9 +61,9 @@ def run_methods(
     warmup: bool = True,
     sampling: Sampling = GREEDY,
     seed: int = 0,
-) -> pd.DataFrame:
-    """Decode `prompts` with every method; append records to out_dir/results.jsonl and return
-    the summary (also written to out_dir/summary.csv)."""
+) -> None:
+    """Decode `prompts` with every method; append a record per prompt to out_dir/results.jsonl,
+    skipping those already there."""
     out_dir.mkdir(parents=True, exist_ok=True)
     results = out_dir / "results.jsonl"
     done = {(r["method"], r["bench"], r["prompt_id"]) for r in read_records(results)}
@@ -78,8 +79,14 @@ def run_methods(
                 for record in decode_batch(target, method, batch, bench, max_new_tokens, sampling, seed):
                     sink.write(json.dumps(record) + "\n")
                 sink.flush()
-    records = pd.DataFrame(read_records(results))
-    summary = summarize(records[records.prompt_id.isin({p.id for p in prompts})])
+
+
+def summarize_run(out_dir: Path, prompts: dict[str, list[Prompt]]) -> pd.DataFrame:
+    """Summary over this run's prompts (per benchmark), written to out_dir/summary.csv."""
+    records = pd.DataFrame(read_records(out_dir / "results.jsonl"))
+    wanted = {(bench, p.id) for bench, ps in prompts.items() for p in ps}
+    keep = [(b, p) in wanted for b, p in zip(records.bench, records.prompt_id)]
+    summary = summarize(records[keep])
     summary.to_csv(out_dir / "summary.csv", index=False)
     return summary
 

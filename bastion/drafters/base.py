@@ -46,6 +46,7 @@ class DraftContext:
     sequences: list[list[int]]  # per row: prompt + generated; the last token (the root) is not yet in the target cache
     features: torch.Tensor | None  # [B, T, F] target features of the tokens committed since the last call, right-padded
     n_features: list[int]  # [B] valid T per row
+    cache: object = None  # the target's KVCache (drafters that run the target itself draft against it)
 
 
 class Drafter(Protocol):
@@ -59,6 +60,12 @@ class Drafter(Protocol):
 
     def keep_rows(self, rows: list[int]) -> None:
         """Finished rows leave the batch; keep `rows`, in that order."""
+
+    # Optional, for drafters that can draft inside the verification forward (FlexDraft):
+    #   extra_tokens(max_nodes) -> int: cache slots needed beyond the tree
+    #   parallel(trees, contexts) -> bool: draft inside this step's verification?
+    #   verify_forward(cache, trees, tokens, depths, tree_mask) -> hidden [B, M, h]
+    #   accept(paths): the accepted paths of that verification
 
 
 def top_candidates(logits: torch.Tensor, roots: list[int], k: int) -> BlockProposal:

@@ -1,4 +1,4 @@
-"""`python train.py`: build (or resume) the data, train, save the drafter with its recipe."""
+"""`python train.py`: build (or resume) the self-distillation data, train, save the drafter."""
 
 from __future__ import annotations
 
@@ -11,10 +11,15 @@ from omegaconf import DictConfig, OmegaConf
 
 from bastion.compose import build, resolve_device
 from bastion.drafters.dflash import DFlashDrafter, evenly_spaced_layers, new_dflash_config
+from bastion.drafters.flexdraft import FlexDraftDrafter
 from bastion.train.data import build_selfdistill, training_prompts
-from bastion.train.dflash import to_examples, train_dflash, write_log
+from bastion.train.dflash import train_dflash
+from bastion.train.examples import to_examples
+from bastion.train.flexdraft import train_flexdraft
+from bastion.train.loop import write_log
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
+RECIPES = ("dflash", "flexdraft")
 
 
 def train(cfg: DictConfig) -> None:
@@ -23,24 +28,24 @@ def train(cfg: DictConfig) -> None:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
-    if cfg.drafter.name != "dflash":
-        raise ValueError(f"train.py knows how to train: dflash (got drafter={cfg.drafter.name}).")
+    if cfg.drafter.name not in RECIPES:
+        raise ValueError(f"train.py trains {' and '.join(RECIPES)} drafters (got drafter={cfg.drafter.name}).")
     started = time.time()
     target = build(cfg.target, name=cfg.target.name)
     target.model.requires_grad_(False)
-    recipe = cfg.recipe
-    layers = tuple(evenly_spaced_layers(target.args.n_layers, recipe.n_feature_layers))
-    mask_token_id = mask_token(cfg, target)
-    data = self_distillation(cfg, target, layers)
-    drafter = DFlashDrafter(new_dflash_config(target, recipe.layers, recipe.block_size, list(layers), mask_token_id), target)
-    drafter.to(device=target.device)
-    o = recipe.optim
-    log = train_dflash(
-        drafter, to_examples(data, recipe.block_size), Path(recipe.work_dir) / "train_state.pt", o.steps, lr=o.lr,
-        warmup=o.warmup, seqs_per_step=o.seqs_per_step, anchors=o.anchors, gamma=o.gamma, grad_clip=o.grad_clip,
-        save_every=o.save_every, log_every=o.log_every, seed=cfg.seed,
-    )
-    out = PROJECT_ROOT / recipe.output_dir if not Path(recipe.output_dir).is_absolute() else Path(recipe.output_dir)
+    layers = tuple(evenly_spaced_layers(target.args.n_layers, cfg.data.n_feature_layers))
+    examples = to_examples(self_distillation(cfg, target, layers))
+    recipe, state = cfg.recipe, Path(cfg.recipe.work_dir) / "train_state.pt"
+    optim = OmegaConf.to_container(recipe.optim)
+    if cfg.drafter.name == "dflash":
+        config = new_dflash_config(target, recipe.layers, recipe.block_size, list(layers), mask_token(cfg, target))
+        drafter = DFlashDrafter(config, target).to(target.device)
+        log = train_dflash(drafter, examples, state, **optim, seed=cfg.seed)
+    else:
+        drafter = FlexDraftDrafter(target, recipe.tuned_layers, recipe.group_size, recipe.calibration_hidden,
+                                   mask_token_id=mask_token(cfg, target)).to(target.device)
+        log = train_flexdraft(drafter, examples, state, **optim, seed=cfg.seed)
+    out = Path(recipe.output_dir) if Path(recipe.output_dir).is_absolute() else PROJECT_ROOT / recipe.output_dir
     drafter.save(out, getattr(torch, recipe.save_dtype))
     (out / "train_config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     write_log(out / "train_log.jsonl", log)
@@ -59,13 +64,13 @@ def mask_token(cfg: DictConfig, target) -> int:
 
 def self_distillation(cfg: DictConfig, target, layers: tuple[int, ...]):
     """Build or reuse the target's self-distillation data (features recorded at `layers`)."""
-    d = cfg.recipe.data
+    d = cfg.data
     out = Path(d.dir)
     meta = {"target": target.name, "layers": list(layers), "n_prompts": d.n_prompts, "mix": dict(d.mix),
             "max_new_tokens": d.max_new_tokens, "seed": cfg.seed}
     meta_path = out / "meta.json"
     if meta_path.exists() and json.loads(meta_path.read_text()) != meta:
-        raise ValueError(f"{out} holds self-distillation data made with other settings ({meta_path}); delete it or set recipe.data.dir.")
+        raise ValueError(f"{out} holds self-distillation data made with other settings ({meta_path}); delete it or set data.dir.")
     out.mkdir(parents=True, exist_ok=True)
     meta_path.write_text(json.dumps(meta))
     prompts = training_prompts(dict(d.mix), d.n_prompts, cfg.seed)

@@ -1,0 +1,250 @@
+"""FlexDraft: an attention-tuned drafter that is the frozen target itself.
+
+Drafting is a target forward of a group of G mask tokens placed right after a verified prefix.
+In the last L layers mask tokens use a trainable copy of the attention projections (Q/K/V/O);
+everywhere else, and always for clean tokens, the target's own weights run. Mask tokens see
+the clean prefix (the target's KV cache) and, bidirectionally, their own group, never another
+group; their K/V are scratch and never enter the cache. The first mask sits where the bonus
+token goes (still unknown when drafting in parallel with verification); masks 2..G predict
+the K = G - 1 tokens after it. A bonus-guided calibration MLP on [embedding of the bonus the
+verifier produced, mask hidden state] adds a bias to those logits, steering drafts made before
+the bonus was known towards it.
+
+Decoding modes (`mode`): *sequential* drafts one group after each verification (one extra,
+small forward); *parallel* rides along the verification forward, with one group per tree node
+(every possible accepted path), keeping only groups whose draft confidence passes *selective
+verification*; *flex* picks, every step, the mode the latency model predicts to be faster for
+the current batch.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from bastion.budget.hardware import measure
+from bastion.budget.latency import calibrated
+from bastion.drafters.base import BlockProposal, DraftContext
+from bastion.drafters.dflash import resolve_checkpoint
+from bastion.models.kv_cache import KVCache
+from bastion.models.loading import CACHE_DIR
+from bastion.models.target import Target
+from bastion.tree.draft_tree import DraftTree
+
+MODES = ("sequential", "parallel", "flex")
+SELECTIONS = ("min_confidence", "cumulative_product")
+
+
+class FlexDraftDrafter(nn.Module):
+    feature_layers: tuple[int, ...] = ()
+
+    def __init__(self, target: Target, tuned_layers: int = 4, group_size: int = 8, calibration_hidden: int = 256,
+                 mode: str = "sequential", selection: str = "min_confidence", threshold: float = 0.1, top_k: int = 8,
+                 mask_token_id: int | None = None):
+        super().__init__()
+        args = target.args
+        if not 1 <= tuned_layers <= args.n_layers:
+            raise ValueError(f"drafter.tuned_layers must be in 1..{args.n_layers} for {target.name} (got {tuned_layers}).")
+        if group_size < 2:
+            raise ValueError(f"drafter.group_size must be at least 2 (the bonus slot plus one draft; got {group_size}).")
+        if mode not in MODES or selection not in SELECTIONS:
+            raise ValueError(f"drafter.mode must be one of {MODES} and drafter.selection one of {SELECTIONS}.")
+        self.target = target  # a plain dataclass: frozen weights, not registered here
+        self.first_tuned = args.n_layers - tuned_layers
+        self.group_size, self.top_k = group_size, top_k
+        self.mode, self.selection, self.threshold = mode, selection, threshold
+        self.use_calibration = True
+        self.tuned = nn.ModuleList(copy.deepcopy(target.model.layers[i].self_attn) for i in range(self.first_tuned, args.n_layers))
+        embed = target.model.embed_tokens.weight
+        start = embed[mask_token_id] if mask_token_id is not None else embed.mean(0)
+        self.mask_embedding = nn.Parameter(start.detach().clone())
+        self.calibration = nn.Sequential(nn.Linear(2 * args.hidden_size, calibration_hidden), nn.SiLU(),
+                                         nn.Linear(calibration_hidden, args.vocab_size))
+        nn.init.zeros_(self.calibration[2].weight)  # starts as "no correction"
+        nn.init.zeros_(self.calibration[2].bias)
+        self.config = {"architectures": ["FlexDraftDrafter"], "target": target.name, "num_target_layers": args.n_layers,
+                       "hidden_size": args.hidden_size, "vocab_size": args.vocab_size, "tuned_layers": tuned_layers,
+                       "group_size": group_size, "calibration_hidden": calibration_hidden}
+        self.latency = None  # set by the engine's budget controller when flex mode needs it
+        self._pending: dict[int, torch.Tensor] = {}  # row -> hidden of the group drafted for its accepted node
+
+    # ---- the forward shared by drafting, parallel verification and training -------------------
+    def run_layers(self, x, positions, mask, is_mask, extend_kv):
+        """Target layers over clean and mask tokens together. x: [B, N, h]; is_mask: [B, N, 1];
+        mask: [B, 1, N, S]; extend_kv(layer) -> the K/V extender of that layer."""
+        model = self.target.model
+        cos, sin = model.rotary(positions, x.dtype)
+        for i, layer in enumerate(model.layers):
+            if i < self.first_tuned:
+                x = layer(x, cos, sin, mask, extend_kv(i))
+                continue
+            attn, tuned = layer.self_attn, self.tuned[i - self.first_tuned]
+            h = layer.input_layernorm(x)
+            k, v = attn.keys_values(h, cos, sin)
+            k_m, v_m = tuned.keys_values(h, cos, sin)
+            sel = is_mask[:, None]  # [B, 1, N, 1] broadcast over heads
+            k, v = extend_kv(i)(torch.where(sel, k_m, k), torch.where(sel, v_m, v))
+            q = torch.where(sel, tuned.queries(h, cos, sin), attn.queries(h, cos, sin))
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+            out = out.transpose(1, 2).flatten(2)
+            x = x + torch.where(is_mask, tuned.o_proj(out), attn.o_proj(out))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return model.norm(x)
+
+    def draft_logits(self, hidden: torch.Tensor, bonus: torch.Tensor) -> torch.Tensor:
+        """Group hidden states [..., G, h] and bonus tokens [...] -> draft logits [..., G-1, V]
+        for the tokens after the bonus, calibrated by the bonus unless use_calibration is off."""
+        drafts = hidden[..., 1:, :]
+        logits = F.linear(drafts, self.target.model.lm_head.weight)
+        if self.use_calibration:
+            bonus_embed = self.target.model.embed_tokens(bonus)[..., None, :].expand_as(drafts)
+            logits = logits + self.calibration(torch.cat([bonus_embed.to(drafts.dtype), drafts], dim=-1))
+        return logits
+
+    # ---- decoding -------------------------------------------------------------------------------
+    def reset(self, batch_size: int, capacity: int) -> None:
+        self._pending = {}
+
+    def keep_rows(self, rows: list[int]) -> None:
+        self._pending = {new: self._pending[old] for new, old in enumerate(rows) if old in self._pending}
+
+    def extra_tokens(self, max_nodes: int) -> int:
+        """Cache slots a forward may need beyond the tree: the mask groups."""
+        return (max_nodes + 1) * self.group_size
+
+    def parallel(self, trees: list[DraftTree], contexts: list[int]) -> bool:
+        """Draft inside this step's verification forward? Flex mode asks the latency model
+        whether one forward of tree + kept groups beats a tree forward plus a group forward."""
+        if self.mode != "flex":
+            return self.mode == "parallel"
+        width = max(len(t.tokens) for t in trees)
+        groups = max(len(self.selected_nodes(t)) for t in trees)
+        ctx = np.asarray(contexts)[None, :]
+        rows = np.ones_like(ctx)
+        together = self.latency.predict(rows * (width + groups * self.group_size), ctx)[0]
+        apart = self.latency.predict(rows * width, ctx)[0] + self.latency.predict(rows * self.group_size, ctx)[0]
+        return together < apart
+
+    @torch.inference_mode()
+    def propose(self, ctx: DraftContext) -> BlockProposal:
+        roots = [seq[-1] for seq in ctx.sequences]
+        B = len(roots)
+        hidden = [self._pending.get(b) for b in range(B)]
+        missing = [b for b in range(B) if hidden[b] is None]
+        if missing:  # sequential drafting (or a parallel group that selective verification pruned)
+            drafted = self.draft_after_prefix(ctx.cache, missing)
+            for b, h in zip(missing, drafted):
+                hidden[b] = h
+        self._pending = {}
+        device = self.mask_embedding.device
+        logits = self.draft_logits(torch.stack(hidden), torch.tensor(roots, device=device)).float()
+        logprobs = torch.log_softmax(logits, -1)
+        top = logprobs.topk(self.top_k, dim=-1)
+        return BlockProposal(roots, top.indices, top.values, logits)
+
+    def draft_after_prefix(self, cache: KVCache, rows: list[int]) -> list[torch.Tensor]:
+        """One group per row in `rows`, right after its verified prefix: [G, h] each."""
+        B, G = len(cache.lengths), self.group_size
+        device = self.mask_embedding.device
+        tree_mask = torch.ones(B, G, G, dtype=torch.bool, device=device)
+        write_pos, mask = cache.prepare(tree_mask)
+        x = self.mask_embedding.expand(B, G, -1)
+        is_mask = torch.ones(B, G, 1, dtype=torch.bool, device=device)
+        hidden = self.run_layers(x, write_pos, mask, is_mask, lambda i: _writer(cache, i, write_pos, mask))
+        return [hidden[b] for b in rows]
+
+    @torch.inference_mode()
+    def verify_forward(self, cache: KVCache, trees: list[DraftTree], tokens, depths, tree_mask):
+        """Parallel mode: verify `trees` and, in the same forward, draft one group after every
+        node that selective verification keeps. Returns the clean tokens' final hidden states
+        [B, M, h]; the groups wait for propose()."""
+        B, M = tokens.shape
+        G = self.group_size
+        device = tokens.device
+        keep = [self.selected_nodes(t) for t in trees]
+        n_groups = max(1, max(len(k) for k in keep))
+        N = M + n_groups * G
+        full = torch.zeros(B, N, N, dtype=torch.bool, device=device)
+        full[:, :M, :M] = tree_mask
+        group_depth = torch.zeros(B, n_groups, dtype=torch.long, device=device)
+        for b, nodes in enumerate(keep):
+            for g in range(n_groups):
+                s = M + g * G
+                full[b, s : s + G, s : s + G] = True
+                if g < len(nodes):
+                    full[b, s : s + G, :M] = tree_mask[b, nodes[g]]
+                    group_depth[b, g] = depths[b, nodes[g]] + 1
+        x = torch.cat([self.target.model.embed_tokens(tokens), self.mask_embedding.expand(B, n_groups * G, -1)], dim=1)
+        write_pos, mask = cache.prepare(full)
+        base = write_pos[:, :1]  # the root's slot is its position
+        mask_pos = (base + group_depth)[:, :, None] + torch.arange(G, device=device)
+        positions = torch.cat([base + depths, mask_pos.flatten(1)], dim=1)
+        is_mask = (torch.arange(N, device=device) >= M)[None, :, None].expand(B, N, 1)
+        hidden = self.run_layers(x, positions, mask, is_mask, lambda i: _writer(cache, i, write_pos, mask))
+        self._groups = (keep, hidden[:, M:].view(B, n_groups, G, -1))
+        return hidden[:, :M]
+
+    def accept(self, paths: list[list[int]]) -> None:
+        """After parallel verification: keep the group drafted after each row's last accepted node."""
+        keep, groups = self._groups
+        self._pending = {b: groups[b, keep[b].index(path[-1])] for b, path in enumerate(paths) if path[-1] in keep[b]}
+
+    def selected_nodes(self, tree: DraftTree) -> list[int]:
+        """Selective verification: the nodes worth a draft group (the root always is).
+        min_confidence keeps node i when its path probability reaches the threshold;
+        cumulative_product keeps nodes by decreasing path probability until they cover the
+        threshold's complement of the probability that some path ends there."""
+        probs = [math.exp(s) for s in tree.logq]
+        if self.selection == "min_confidence":
+            return [i for i, p in enumerate(probs) if i == 0 or p >= self.threshold]
+        order = sorted(range(len(probs)), key=lambda i: -probs[i])
+        kept, covered = [], 0.0
+        for i in order:
+            kept.append(i)
+            covered += probs[i]
+            if covered >= (1 - self.threshold) * sum(probs):
+                break
+        return sorted(set(kept) | {0})
+
+    # ---- checkpoints ------------------------------------------------------------------------------
+    def save(self, out_dir: Path, dtype: torch.dtype = torch.bfloat16) -> None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        state = {k: v.detach().to("cpu", dtype).contiguous() for k, v in self.state_dict().items()}
+        save_file(state, out_dir / "model.safetensors")
+        (out_dir / "config.json").write_text(json.dumps({**self.config, "torch_dtype": str(dtype).removeprefix("torch.")}, indent=2) + "\n")
+
+
+def _writer(cache: KVCache, layer: int, write_pos, mask):
+    return lambda k, v: cache.write(layer, k, v, write_pos, mask.shape[-1])
+
+
+def load_flexdraft(target: Target, checkpoint: str | None, mode: str = "sequential", selection: str = "min_confidence",
+                   threshold: float = 0.1, top_k: int = 8, calibration: bool = True, cache_dir: str | None = None) -> FlexDraftDrafter:
+    if not checkpoint:
+        raise ValueError(
+            f"Target {target.name} names no FlexDraft drafter: train one with "
+            f"`python train.py drafter=flexdraft target={target.name}` or set drafter.checkpoint=DIR."
+        )
+    path = resolve_checkpoint(checkpoint)
+    config = json.loads((path / "config.json").read_text())
+    a = target.args
+    if (config["num_target_layers"], config["hidden_size"], config["vocab_size"]) != (a.n_layers, a.hidden_size, a.vocab_size):
+        raise ValueError(
+            f"This FlexDraft drafter was trained for {config['target']} ({config['num_target_layers']} layers, hidden "
+            f"{config['hidden_size']}, vocab {config['vocab_size']}); target {target.name} has {a.n_layers}, {a.hidden_size}, {a.vocab_size}."
+        )
+    drafter = FlexDraftDrafter(target, config["tuned_layers"], config["group_size"], config["calibration_hidden"],
+                               mode, selection, threshold, top_k)
+    drafter.load_state_dict(load_file(path / "model.safetensors"))
+    drafter.use_calibration = calibration
+    if mode == "flex":  # the switch between modes comes from this machine's measured latency
+        drafter.latency = calibrated(target, measure(str(target.device)), Path(cache_dir or CACHE_DIR))
+    return drafter.to(device=target.device, dtype=target.dtype).eval()

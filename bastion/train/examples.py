@@ -1,0 +1,46 @@
+"""Training examples from self-distillation data, and random anchors inside their answers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Example:
+    tokens: torch.Tensor  # [S] prompt + answer
+    features: torch.Tensor  # [S - 1, F] fp16 target features of all but the last token
+    answer_start: int
+
+
+def to_examples(dataset) -> list[Example]:
+    """Rows with at least one anchor that can predict something."""
+    examples = []
+    for row in dataset.with_format("torch"):
+        tokens, start = row["input_ids"].long(), int(row["answer_start"])
+        if len(tokens) - 2 >= start:
+            examples.append(Example(tokens, row["features"], start))
+    if not examples:
+        raise ValueError("The self-distillation data holds no answer long enough to train on.")
+    return examples
+
+
+def sample_anchors(examples: list[Example], n_seqs: int, n_anchors: int, gen: torch.Generator):
+    """Pad n_seqs random examples and pick up to n_anchors anchors inside each answer (each
+    with at least one token after it). Returns the picked examples, tokens [B, S], anchors
+    [B, M], anchor_ok [B, M] and lengths [B]."""
+    picks = [examples[i] for i in torch.randint(len(examples), (n_seqs,), generator=gen).tolist()]
+    S = max(len(e.tokens) for e in picks)
+    tokens = torch.zeros(n_seqs, S, dtype=torch.long)
+    anchors = torch.zeros(n_seqs, n_anchors, dtype=torch.long)
+    anchor_ok = torch.zeros(n_seqs, n_anchors, dtype=torch.bool)
+    for b, e in enumerate(picks):
+        n = len(e.tokens)
+        tokens[b, :n] = e.tokens
+        candidates = torch.arange(e.answer_start, n - 1)
+        chosen = candidates[torch.randperm(len(candidates), generator=gen)[:n_anchors]].sort().values
+        anchors[b, : len(chosen)] = chosen
+        anchors[b, len(chosen) :] = e.answer_start
+        anchor_ok[b, : len(chosen)] = True
+    return picks, tokens, anchors, anchor_ok, torch.tensor([len(e.tokens) for e in picks])

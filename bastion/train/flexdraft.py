@@ -1,0 +1,71 @@
+"""Train FlexDraft: attention tuning and the bonus-guided calibration MLP, target frozen.
+
+Per step, a training sequence runs once through the frozen target (its clean KV cache, no
+gradient); then groups of G mask tokens at random anchors inside the answer run through the
+target's layers with the tuned attention in the last L, each group seeing the clean tokens
+before its anchor and itself. Mask j of a group predicts the token at anchor + j - 1; masks
+2..G are the drafts, scored with and without the calibration bias (so the drafter also works,
+and can be ablated, without it), weighted exp(-(k-1)/gamma) by draft index k.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from bastion.drafters.flexdraft import FlexDraftDrafter
+from bastion.train.examples import Example, sample_anchors
+from bastion.train.loop import train_loop
+
+
+def group_loss(drafter: FlexDraftDrafter, batch, gamma: float):
+    """Weighted CE of the drafts (masks 2..G) with and without calibration; per-position hits
+    (calibrated) and counts."""
+    _, tokens, anchors, anchor_ok, lengths = batch
+    target = drafter.target
+    B, S = tokens.shape
+    M, G = anchors.shape[1], drafter.group_size
+    with torch.no_grad():  # the clean tokens' keys and values, once, without gradient
+        cache = target.new_cache(B, S)
+        causal = torch.ones(B, S, S, dtype=torch.bool).tril()
+        write_pos, mask = cache.prepare(causal)
+        target.model(tokens, write_pos, mask, cache, write_pos)
+    block = torch.arange(M * G) // G
+    sees_clean = torch.arange(S)[None, None, :] < anchors.repeat_interleave(G, dim=1)[:, :, None]
+    sees_group = (block[:, None] == block[None, :]).expand(B, M * G, M * G)
+    attn_mask = torch.cat([sees_clean, sees_group], dim=-1)[:, None]
+    positions = (anchors[:, :, None] + torch.arange(G)).view(B, M * G)
+    x = drafter.mask_embedding.expand(B, M * G, -1)
+    is_mask = torch.ones(B, M * G, 1, dtype=torch.bool)
+
+    def with_clean(i):
+        return lambda k, v: (torch.cat([cache.k[i, :, :, :S], k], 2), torch.cat([cache.v[i, :, :, :S], v], 2))
+
+    hidden = drafter.run_layers(x, positions, attn_mask, is_mask, with_clean).view(B, M, G, -1)
+    drafts = hidden[:, :, 1:]  # [B, M, G-1, h]
+    base = F.linear(drafts.flatten(0, 2), target.model.lm_head.weight).float()
+    bonus = target.model.embed_tokens(tokens.gather(1, anchors))[:, :, None, :].expand_as(drafts)
+    calibrated = base + drafter.calibration(torch.cat([bonus, drafts], -1)).flatten(0, 2).float()
+    label_pos = anchors[:, :, None] + torch.arange(1, G)  # [B, M, G-1]
+    label_ok = anchor_ok[:, :, None] & (label_pos < lengths[:, None, None])
+    labels = tokens.gather(1, label_pos.clamp(max=S - 1).flatten(1)).flatten()
+    weights = (label_ok * torch.exp(-torch.arange(G - 1) / gamma)).flatten()
+    loss = sum((F.cross_entropy(l, labels, reduction="none") * weights).sum() for l in (base, calibrated)) / weights.sum()
+    hits = ((calibrated.argmax(-1) == labels).view_as(label_ok) & label_ok).flatten(0, 1).sum(0)
+    return loss, hits, label_ok.flatten(0, 1).sum(0)
+
+
+def train_flexdraft(drafter: FlexDraftDrafter, examples: list[Example], state_path: Path, steps: int, lr: float = 1e-3,
+                    lr_tuned: float = 1e-4, seqs_per_step: int = 1, anchors: int = 32, gamma: float = 4.0, **loop) -> list[dict]:
+    """Optimise the tuned attention (at lr_tuned, it starts as the target's own) and the mask
+    embedding and calibration MLP (at lr)."""
+    groups = [{"params": list(drafter.tuned.parameters()), "lr": lr_tuned},
+              {"params": [drafter.mask_embedding, *drafter.calibration.parameters()], "lr": lr}]
+    return train_loop(
+        drafter, groups,
+        lambda gen: sample_anchors(examples, seqs_per_step, anchors, gen),
+        lambda batch: group_loss(drafter, batch, gamma),
+        state_path, steps, desc="train flexdraft", **loop,
+    )

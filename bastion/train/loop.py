@@ -1,0 +1,92 @@
+"""The optimisation loop every drafter recipe shares: warm-up + cosine schedule, gradient
+clipping, per-position accuracy logs, and atomic checkpoints that a rerun resumes from."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+
+def lr_at(step: int, steps: int, lr: float, warmup: float) -> float:
+    """Linear warm-up, then cosine decay to 10% of lr."""
+    w = max(1, int(warmup * steps))
+    if step < w:
+        return lr * (step + 1) / w
+    progress = (step - w) / max(1, steps - w)
+    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def train_loop(
+    module: nn.Module,
+    param_groups: list[dict],  # {"params": [...], "lr": peak lr}
+    batch_fn: Callable[[torch.Generator], object],
+    loss_fn: Callable[[object], tuple[torch.Tensor, torch.Tensor, torch.Tensor]],  # -> loss, hits [K], counts [K]
+    state_path: Path,
+    steps: int,
+    warmup: float = 0.04,
+    grad_clip: float = 1.0,
+    save_every: int = 50,
+    log_every: int = 20,
+    seed: int = 0,
+    desc: str = "train",
+) -> list[dict]:
+    """Optimise `module` in place; resumable from `state_path`. Returns the log records
+    (mean loss, accuracy per draft position, seconds per step, every `log_every` steps)."""
+    for group in param_groups:
+        group["peak"] = group["lr"]
+    optimizer = torch.optim.AdamW(param_groups, betas=(0.9, 0.95), weight_decay=0.0)
+    params = [p for g in param_groups for p in g["params"]]
+    gen = torch.Generator().manual_seed(seed)
+    start, log = 0, []
+    if state_path.exists():
+        state = torch.load(state_path, weights_only=False)
+        module.load_state_dict(state["drafter"])
+        optimizer.load_state_dict(state["optimizer"])
+        gen.set_state(state["generator"])
+        start, log = state["step"], state["log"]
+    module.train()
+    hits = counts = 0
+    losses, t0 = [], time.time()
+    bar = tqdm(range(start, steps), initial=start, total=steps, desc=desc, unit="step")
+    for step in bar:
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, steps, group["peak"], warmup)
+        loss, step_hits, step_counts = loss_fn(batch_fn(gen))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, grad_clip)
+        optimizer.step()
+        losses.append(loss.item())
+        hits, counts = hits + step_hits, counts + step_counts
+        if (step + 1) % log_every == 0 or step + 1 == steps:
+            acc = (hits / counts.clamp(min=1)).tolist()
+            log.append({"step": step + 1, "loss": sum(losses) / len(losses), "lr": optimizer.param_groups[0]["lr"],
+                        "acc": [round(a, 4) for a in acc], "s_per_step": (time.time() - t0) / len(losses)})
+            bar.set_postfix(loss=f"{log[-1]['loss']:.3f}", acc1=f"{acc[0]:.3f}", acc4=f"{acc[min(3, len(acc) - 1)]:.3f}")
+            hits = counts = 0
+            losses, t0 = [], time.time()
+        if (step + 1) % save_every == 0 or step + 1 == steps:
+            save_state(state_path, {"drafter": module.state_dict(), "optimizer": optimizer.state_dict(),
+                                    "generator": gen.get_state(), "step": step + 1, "log": log})
+    module.eval()
+    return log
+
+
+def save_state(path: Path, state: dict) -> None:
+    """Write atomically: a kill mid-write leaves the previous state intact."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def write_log(path: Path, log: list[dict]) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in log))

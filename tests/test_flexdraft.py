@@ -1,0 +1,113 @@
+"""FlexDraft: parallel drafting equals sequential drafting, verification is untouched by the
+mask groups, selective verification keeps the right nodes, and every mode is lossless."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from bastion.budget.fixed import FixedBudget
+from bastion.budget.latency import LatencyModel, ForwardCost
+from bastion.drafters.flexdraft import FlexDraftDrafter, load_flexdraft
+from bastion.engine import generate
+from bastion.tree.best_first import best_first
+from bastion.tree.chain import chain
+from bastion.tree.draft_tree import DraftTree, pack
+from tests.helpers import ar_outputs, assert_same_tokens
+from tests.test_lossless import random_prompts, with_eos_mid_output
+
+
+def random_flexdraft(target, seed=0, **kw) -> FlexDraftDrafter:
+    torch.manual_seed(seed)
+    drafter = FlexDraftDrafter(target, tuned_layers=1, group_size=4, calibration_hidden=16, mask_token_id=16, **kw)
+    with torch.no_grad():
+        for p in drafter.parameters():  # move away from the target's own weights and from zero
+            p.add_(0.05 * torch.randn_like(p))
+    return drafter.to(target.dtype).eval()
+
+
+def committed_cache(target, tokens, extra=64):
+    cache = target.new_cache(1, len(tokens) + extra)
+    n = len(tokens)
+    target.forward(torch.tensor([tokens]), torch.arange(n)[None], torch.ones(1, n, n, dtype=torch.bool).tril(), cache)
+    cache.commit([list(range(n))])
+    return cache
+
+
+TREE = DraftTree((7, 8, 9, 10, 11), (-1, 0, 1, 0, 3), (0.0, -0.2, -0.5, -1.0, -1.5))
+
+
+@pytest.mark.parametrize("node", [0, 2, 4])
+def test_parallel_group_equals_the_sequential_draft(tiny_qwen3, node):
+    drafter = random_flexdraft(tiny_qwen3, threshold=0.0)
+    prefix = list(range(400, 420))
+    cache = committed_cache(tiny_qwen3, prefix)
+    tokens, depths, mask = pack([TREE], "cpu")
+    hidden = drafter.verify_forward(cache, [TREE], tokens, depths, mask)
+    # verification sees exactly what a plain target forward sees
+    plain = committed_cache(tiny_qwen3, prefix)
+    expected, _ = tiny_qwen3.forward(tokens, depths, mask, plain)
+    torch.testing.assert_close(hidden, expected, rtol=1e-9, atol=1e-9)
+    path = TREE.path(node)
+    cache.commit([path])
+    drafter.accept([path])
+    parallel = drafter._pending[0]
+    fresh = committed_cache(tiny_qwen3, prefix + [TREE.tokens[i] for i in path])
+    (sequential,) = drafter.draft_after_prefix(fresh, [0])
+    torch.testing.assert_close(parallel, sequential, rtol=1e-9, atol=1e-9)
+
+
+def test_selective_verification():
+    drafter = FlexDraftDrafter.__new__(FlexDraftDrafter)
+    drafter.selection, drafter.threshold = "min_confidence", math.exp(-0.6)
+    assert drafter.selected_nodes(TREE) == [0, 1, 2]
+    drafter.selection, drafter.threshold = "cumulative_product", 0.3
+    # path probabilities 1, .82, .61, .37, .22 (sum 3.02): the best cover 70% = 2.11 -> nodes 0, 1, 2
+    assert drafter.selected_nodes(TREE) == [0, 1, 2]
+
+
+def synthetic_latency(target, parallel_cheaper: bool) -> LatencyModel:
+    """Memory-bound (extra tokens nearly free: parallel wins) or compute-bound from 1 token (sequential wins)."""
+    theta = [math.log(1e-3), math.log(1e-9), math.log(1e3), 0.0] if parallel_cheaper else [math.log(1e-6), math.log(1e6), math.log(1e-9), 0.0]
+    return LatencyModel(ForwardCost(target.args, 8), 1e12, 1e12, np.asarray(theta))
+
+
+def test_flex_mode_follows_the_latency_model(tiny_qwen3):
+    drafter = random_flexdraft(tiny_qwen3, mode="flex")
+    drafter.latency = synthetic_latency(tiny_qwen3, parallel_cheaper=True)
+    assert drafter.parallel([TREE], [100])
+    drafter.latency = synthetic_latency(tiny_qwen3, parallel_cheaper=False)
+    assert not drafter.parallel([TREE], [100])
+
+
+@pytest.mark.parametrize("mode", ["sequential", "parallel", "flex"])
+def test_lossless_in_every_mode(tiny_llama, mode):
+    prompts = random_prompts(6, seed=7)
+    target, expected = with_eos_mid_output(tiny_llama, prompts, 20)
+    drafter = random_flexdraft(target, mode=mode, threshold=0.05)
+    if mode == "flex":
+        drafter.latency = synthetic_latency(target, parallel_cheaper=True)
+    for policy in (chain, best_first):
+        for budget in (1, 4, 16):
+            d = generate(target, prompts, drafter=drafter, policy=policy, budget=FixedBudget(budget), max_new_tokens=20)
+            for p, exp, gen in zip(prompts, expected, d.generations):
+                assert_same_tokens(target, p, exp, gen.tokens, f"flexdraft {mode} {policy.__name__} {budget}")
+
+
+def test_checkpoint_roundtrip_and_mismatch(tiny_qwen3, tmp_path):
+    drafter = random_flexdraft(tiny_qwen3)
+    drafter.save(tmp_path, torch.float64)
+    loaded = load_flexdraft(tiny_qwen3, str(tmp_path), calibration=False)
+    for (name, a), b in zip(drafter.state_dict().items(), loaded.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert not loaded.use_calibration
+    with pytest.raises(ValueError, match="python train.py drafter=flexdraft target=tiny_qwen3"):
+        load_flexdraft(tiny_qwen3, None)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_target_layers": 36}))
+    with pytest.raises(ValueError, match="trained for tiny_qwen3 \\(36 layers"):
+        load_flexdraft(tiny_qwen3, str(tmp_path))
