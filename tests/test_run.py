@@ -36,3 +36,20 @@ def test_cfg_job_prints_the_composed_config():
     assert result.returncode == 0
     for group in ("target:", "drafter:", "tree:", "budget:", "gpu:", "bench:", "logger:"):
         assert group in result.stdout
+
+
+def test_torchrun_shards_prompts_and_merges_records(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    args = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "run.py", *ARGS, "bench.limit=5",
+            f"hydra.run.dir={tmp_path}"]
+    result = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    shards = [[json.loads(line) for line in open(tmp_path / f"results.rank{r}.jsonl")] for r in (0, 1)]
+    assert {len(s) for s in shards} == {6, 4}  # 5 prompts x 2 methods: prompts 0, 2, 4 and 1, 3
+    assert not {r["prompt_id"] for r in shards[0]} & {r["prompt_id"] for r in shards[1]}
+    summary = pd.read_csv(tmp_path / "summary.csv")
+    assert (summary.n_prompts == 5).all() and summary.lossless.all()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -17,6 +19,9 @@ from bastion.sampling import Sampling
 
 def run(cfg: DictConfig) -> None:
     OmegaConf.set_struct(cfg, False)
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    if world > 1 and cfg.device in ("auto", "cuda") and torch.cuda.is_available():
+        cfg.device = f"cuda:{os.environ.get('LOCAL_RANK', 0)}"  # torchrun: one GPU per process
     cfg.device = resolve_device(cfg.device)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -34,14 +39,32 @@ def run(cfg: DictConfig) -> None:
     b = cfg.bench
     names = list(b.names) if b.name == "all" else [b.name]
     prompts = {n: load_prompts(n, b.get("limit"), b.get("data_dir"), b.get("shuffle", False), b.get("seed", 0), b.get("path"), b.get("field")) for n in names}
+    if world > 1 and "hydra.run.dir" not in " ".join(HydraConfig.get().overrides.hydra):
+        raise ValueError("Under torchrun every process must write to the same run dir: add hydra.run.dir=outputs/NAME.")
     target = build(cfg.target, name=cfg.target.name)
     methods = build_methods(cfg, target)
     out_dir = Path(HydraConfig.get().runtime.output_dir)
-    for name in names:
-        run_methods(target, methods, prompts[name], name, out_dir, d.max_new_tokens, d.batch_size, cfg.warmup, sampling, cfg.seed)
+    shard = f".rank{rank}" if world > 1 else ""
+    for name in names:  # under torchrun each process decodes every world-th prompt
+        run_methods(target, methods, prompts[name][rank::world], name, out_dir, d.max_new_tokens, d.batch_size, cfg.warmup,
+                    sampling, cfg.seed, shard)
+    if world > 1:
+        wait_for_all_ranks()
+        if rank:
+            return
     summary = summarize_run(out_dir, prompts)
     for oracle in dict.fromkeys(m.oracle for m in methods if m.oracle):
         summary = with_oracle(summary, [m.name for m in methods if m.oracle == oracle], oracle)
     summary.to_csv(out_dir / "summary.csv", index=False)
     print(summary.to_string(index=False, float_format=lambda x: f"{x:.3f}"))
     print(f"records: {out_dir / 'results.jsonl'}\nsummary: {out_dir / 'summary.csv'}")
+
+
+def wait_for_all_ranks() -> None:
+    """torchrun: every process has written its records before rank 0 merges them."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():  # joined only now, so a slow rank's decoding is not bound by a timeout
+        dist.init_process_group("gloo", timeout=timedelta(days=1))
+    dist.barrier()
+    dist.destroy_process_group()

@@ -61,11 +61,12 @@ def run_methods(
     warmup: bool = True,
     sampling: Sampling = GREEDY,
     seed: int = 0,
+    shard: str = "",
 ) -> None:
-    """Decode `prompts` with every method; append a record per prompt to out_dir/results.jsonl,
-    skipping those already there."""
+    """Decode `prompts` with every method; append a record per prompt to
+    out_dir/results{shard}.jsonl, skipping those already there."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    results = out_dir / "results.jsonl"
+    results = out_dir / f"results{shard}.jsonl"
     done = {(r["method"], r["bench"], r["prompt_id"]) for r in read_records(results)}
     if warmup:
         first = chat_tokens(target.tokenizer, [{"role": "user", "content": prompts[0].turns[0]}])
@@ -82,8 +83,9 @@ def run_methods(
 
 
 def summarize_run(out_dir: Path, prompts: dict[str, list[Prompt]]) -> pd.DataFrame:
-    """Summary over this run's prompts (per benchmark), written to out_dir/summary.csv."""
-    records = pd.DataFrame(read_records(out_dir / "results.jsonl"))
+    """Summary over this run's prompts (per benchmark, every shard's records), written to
+    out_dir/summary.csv."""
+    records = pd.DataFrame([r for path in sorted(out_dir.glob("results*.jsonl")) for r in read_records(path)])
     wanted = {(bench, p.id) for bench, ps in prompts.items() for p in ps}
     keep = [(b, p) in wanted for b, p in zip(records.bench, records.prompt_id)]
     summary = summarize(records[keep])
