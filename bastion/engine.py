@@ -206,8 +206,8 @@ def generate(
                 predicted_verify_s=budget.predicted_s if proposal is not None else None,
             )
         )
-        if proposal is not None:
-            budget.observe(decoding.steps[-1], contexts, tree_tokens.shape[1])
+        if proposal is not None:  # what ran: the trees, plus the mask groups of parallel drafting
+            budget.observe(decoding.steps[-1], contexts, drafter.forward_width if parallel else tree_tokens.shape[1])
     if record:
         for gen, prompt, parts in zip(decoding.generations, prompts, recorded):
             gen.features = torch.cat(parts)[: len(prompt) + len(gen.tokens) - 1]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from functools import partial
 
 import pytest
 
@@ -13,9 +14,10 @@ from bastion.drafters.ngram import NgramDrafter
 from bastion.engine import generate
 from bastion.tree.best_first import best_first
 from bastion.tree.chain import chain
+from bastion.tree.static import static
 from tests.helpers import OracleDrafter, ar_outputs, assert_same_tokens
 
-POLICIES = {"chain": chain, "best_first": best_first}
+POLICIES = {"chain": chain, "best_first": best_first, "static": partial(static, shape="eagle1_25")}
 BUDGETS = (1, 2, 8, 64)
 
 
@@ -47,7 +49,7 @@ def test_tiny_models_lossless(name, request):
     max_new = 24
     prompts = random_prompts()
     target, expected = with_eos_mid_output(request.getfixturevalue(name), prompts, max_new)
-    oracle = OracleDrafter(dict(zip(map(tuple, prompts), expected)), vocab=49152)
+    oracle = OracleDrafter(dict(zip(map(tuple, prompts), expected)), vocab=49152, top_k=4)
     accepted_deep = False
     for policy in POLICIES:
         for budget in BUDGETS:
@@ -76,8 +78,26 @@ def test_smollm2_lossless(smollm2):
     expected = ar_outputs(smollm2, prompts, max_new)
     finishes = {("eos" if out[-1] in smollm2.eos_ids else "length") for out in expected}
     assert finishes == {"eos", "length"}
-    oracle = OracleDrafter(dict(zip(map(tuple, prompts), expected)), vocab=49152, block_size=8)
+    oracle = OracleDrafter(dict(zip(map(tuple, prompts), expected)), vocab=49152, block_size=8, top_k=4)
     for policy in POLICIES:
         for budget in BUDGETS:
             check(smollm2, prompts, expected, oracle, policy, budget, max_new, "smollm2 oracle")
     check(smollm2, prompts, expected, NgramDrafter(), "best_first", 8, max_new, "smollm2 ngram")
+
+
+@pytest.mark.parametrize("policy", ["chain", "best_first", "static"])
+def test_batched_bastion_budget_lossless(tiny_qwen3, policy, tmp_path):
+    """One budget over the whole batch (rows get different tree sizes), rows of different
+    lengths, EOS in some rows only."""
+    from bastion.budget.controller import BastionBudget
+    from bastion.budget.hardware import HardwareProfile
+
+    prompts = random_prompts(8, seed=11)
+    target, expected = with_eos_mid_output(tiny_qwen3, prompts, 24)
+    oracle = OracleDrafter(dict(zip(map(tuple, prompts), expected)), vocab=49152, block_size=6, top_k=4)
+    budget = BastionBudget(max_nodes=32, calibrate=False)
+    budget.start(target, HardwareProfile("cpu", {"float64": 0.05}, 8.0, 1.0), tmp_path)
+    d = generate(target, prompts, drafter=oracle, policy=POLICIES[policy], budget=budget, max_new_tokens=24)
+    for prompt, exp, gen in zip(prompts, expected, d.generations):
+        assert_same_tokens(target, prompt, exp, gen.tokens, f"bastion batch {policy}")
+    assert any(len(set(s.tree_sizes)) > 1 for s in d.steps), "rows should get different budgets"

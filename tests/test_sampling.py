@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+from functools import partial
 
 import pytest
 import torch
@@ -19,11 +20,13 @@ import torch
 import bastion.engine
 from bastion.budget.fixed import FixedBudget
 from bastion.drafters.base import BlockProposal, DraftContext
+from bastion.drafters.flexdraft import FlexDraftDrafter
 from bastion.engine import generate
 from bastion.models.target import load_target
 from bastion.sampling import Sampling
 from bastion.tree.best_first import best_first
 from bastion.tree.chain import chain
+from bastion.tree.static import static
 from bastion.verify import Verdict
 from tests.conftest import target_config
 
@@ -119,11 +122,15 @@ def chi_square_tail(stat: float, dof: int) -> float:
 SAMPLINGS = [Sampling(1.0), Sampling(0.7, top_k=6, top_p=0.9)]
 
 
-def methods(table, mode):
+def methods(table, target):
     drafter = TableDrafter(table)
+    torch.manual_seed(0)
+    flex = FlexDraftDrafter(target, tuned_layers=1, group_size=4, calibration_hidden=8, mode="parallel", threshold=0.0, top_k=4)
     return {
         "chain": dict(drafter=drafter, policy=chain, budget=FixedBudget(3)),
         "best_first": dict(drafter=drafter, policy=best_first, budget=FixedBudget(6)),
+        "static": dict(drafter=drafter, policy=partial(static, shape="eagle1_25"), budget=FixedBudget(8)),
+        "flexdraft-parallel": dict(drafter=flex.to(target.dtype).eval(), policy=best_first, budget=FixedBudget(4)),
     }
 
 
@@ -134,7 +141,7 @@ def test_every_method_samples_the_target_distribution(tiny16, sampling):
     assert chi_square_p_value(sample_counts(tiny16, sampling), joint) > 1e-3, "AR sampling itself"
     for mode in ("sampled", "ranked"):
         s = dataclasses.replace(sampling, tree_mode=mode)
-        for name, method in methods(table, mode).items():
+        for name, method in methods(table, tiny16).items():
             p = chi_square_p_value(sample_counts(tiny16, s, method), joint)
             assert p > 1e-3, f"{name} ({mode} children): distribution differs from AR (chi-square p={p:.2g})"
 
@@ -174,13 +181,13 @@ def test_argmax_acceptance_fails_the_test(tiny16, monkeypatch):
     table = context_logits(tiny16)
     sampling = Sampling(1.0, tree_mode="ranked")
     monkeypatch.setattr(bastion.engine, "verify_sampled", argmax_verifier)
-    counts = sample_counts(tiny16, sampling, methods(table, "ranked")["best_first"])
+    counts = sample_counts(tiny16, sampling, methods(table, tiny16)["best_first"])
     assert chi_square_p_value(counts, exact_joint(table, sampling)) < 1e-6
 
 
 def test_same_seed_same_output(tiny16):
     table = context_logits(tiny16)
-    method = methods(table, "sampled")["best_first"]
+    method = methods(table, tiny16)["best_first"]
     runs = [generate(tiny16, [PROMPT] * 8, max_new_tokens=12, sampling=Sampling(1.0), seed=s, **method) for s in (5, 5, 6)]
     tokens = [[g.tokens for g in d.generations] for d in runs]
     assert tokens[0] == tokens[1] and tokens[0] != tokens[2]

@@ -10,10 +10,12 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+from bastion.bench import wandb_logger
 from bastion.bench.datasets import load_prompts
 from bastion.bench.metrics import with_oracle
 from bastion.bench.runner import run_methods, summarize_run
 from bastion.compose import build, build_methods, method_config, resolve_device
+from bastion.report import load, write_report
 from bastion.sampling import Sampling
 
 
@@ -36,6 +38,8 @@ def run(cfg: DictConfig) -> None:
         node = method_config(cfg, spec)  # an unknown choice or impossible budget fails here, before any model loads
         if node.budget.name != "oracle":
             build(node.budget)
+    out_dir = Path(HydraConfig.get().runtime.output_dir)
+    logger = wandb_logger.start(OmegaConf.to_container(cfg, resolve=True), out_dir) if rank == 0 else None  # logger=wandb only
     b = cfg.bench
     names = list(b.names) if b.name == "all" else [b.name]
     prompts = {n: load_prompts(n, b.get("limit"), b.get("data_dir"), b.get("shuffle", False), b.get("seed", 0), b.get("path"), b.get("field")) for n in names}
@@ -43,7 +47,6 @@ def run(cfg: DictConfig) -> None:
         raise ValueError("Under torchrun every process must write to the same run dir: add hydra.run.dir=outputs/NAME.")
     target = build(cfg.target, name=cfg.target.name)
     methods = build_methods(cfg, target)
-    out_dir = Path(HydraConfig.get().runtime.output_dir)
     shard = f".rank{rank}" if world > 1 else ""
     for name in names:  # under torchrun each process decodes every world-th prompt
         run_methods(target, methods, prompts[name][rank::world], name, out_dir, d.max_new_tokens, d.batch_size, cfg.warmup,
@@ -56,6 +59,10 @@ def run(cfg: DictConfig) -> None:
     for oracle in dict.fromkeys(m.oracle for m in methods if m.oracle):
         summary = with_oracle(summary, [m.name for m in methods if m.oracle == oracle], oracle)
     summary.to_csv(out_dir / "summary.csv", index=False)
+    if logger is not None:
+        wandb_logger.log_steps(logger, load([out_dir])[1])
+        wandb_logger.log_summary(logger, summary, write_report([out_dir]))
+        wandb_logger.finish(logger)
     print(summary.to_string(index=False, float_format=lambda x: f"{x:.3f}"))
     print(f"records: {out_dir / 'results.jsonl'}\nsummary: {out_dir / 'summary.csv'}")
 

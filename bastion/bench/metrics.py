@@ -8,6 +8,7 @@ same prompts of the same run.
 
 from __future__ import annotations
 
+import numpy as np
 import pandas as pd
 
 BASELINE = "ar"
@@ -55,3 +56,63 @@ def with_oracle(summary: pd.DataFrame, swept: list[str], name: str) -> pd.DataFr
     fixed budgets of an oracle sweep), with the winning method in `oracle_of`."""
     best = summary[summary.method.isin(swept)].sort_values("speedup", ascending=False).groupby("bench", sort=False).head(1)
     return pd.concat([summary, best.assign(oracle_of=best.method, method=name)], ignore_index=True)
+
+
+STEP_LISTS = ["produced", "tree_sizes", "expected", "step_s", "verify_s", "predicted_verify_s"]  # a record's per-step lists
+
+
+def step_table(records: pd.DataFrame) -> pd.DataFrame:
+    """One row per decode step (method, bench, produced, tree_size, expected, step_s, verify_s,
+    predicted_verify_s): the per-step lists of every record, flattened. `produced` counts the
+    bonus token, so `produced - 1` is the number of accepted draft tokens; AR steps have tree
+    size 0; predicted_verify_s is NaN where no latency model forecast the step."""
+    steps = records[["method", "bench", *STEP_LISTS]].explode(STEP_LISTS).dropna(subset=["produced"])
+    steps = steps.rename(columns={"tree_sizes": "tree_size"}).reset_index(drop=True)
+    numeric = steps.columns[2:]
+    steps[numeric] = steps[numeric].apply(pd.to_numeric, errors="coerce")
+    return steps.astype({"produced": int, "tree_size": int})
+
+
+def _distribution(steps: pd.DataFrame, column: str) -> pd.DataFrame:
+    counts = steps.groupby(["method", column], sort=False).size().rename("steps").reset_index()
+    counts["fraction"] = counts.steps / counts.groupby("method", sort=False).steps.transform("sum")
+    return counts.sort_values(["method", column], kind="stable").reset_index(drop=True)
+
+
+def accepted_length_histogram(steps: pd.DataFrame) -> pd.DataFrame:
+    """Per method, how many steps produced each number of tokens (bonus included), so the
+    histogram's mean is the method's per-step AAL. `steps` is step_table(records)."""
+    return _distribution(steps, "produced")
+
+
+def tree_size_distribution(steps: pd.DataFrame) -> pd.DataFrame:
+    """Per method, how many steps verified a tree of each size: for a budget controller, the
+    budgets it chose. `steps` is step_table(records)."""
+    return _distribution(steps, "tree_size")
+
+
+def depth_acceptance_rate(steps: pd.DataFrame) -> pd.DataFrame:
+    """Per method and depth d >= 1: the share of steps that accepted at least d draft tokens,
+    among the steps whose tree had at least d nodes (a tree of n nodes is at most n deep, and
+    the records keep sizes, not depths). Depths run to one past the deepest acceptance, where
+    the rate is 0. AR steps (no tree) drop out. `steps` is step_table(records)."""
+    rows = []
+    for method, group in steps[steps.tree_size > 0].groupby("method", sort=False):
+        accepted = group.produced - 1
+        for depth in range(1, int(accepted.max()) + 2):
+            could = group.tree_size >= depth
+            if could.any():
+                rows.append({"method": method, "depth": depth, "steps": int(could.sum()),
+                             "rate": float((accepted[could] >= depth).mean())})
+    return pd.DataFrame(rows, columns=["method", "depth", "steps", "rate"])
+
+
+def aal_by_tree_size(steps: pd.DataFrame) -> pd.DataFrame:
+    """Per method, tokens per step (bonus included) of the steps whose tree size falls in each
+    power-of-two bin [2^k, 2^(k+1)), with the bin's mean tree size: how acceptance grows with
+    the budget. AR steps (no tree) drop out. `steps` is step_table(records)."""
+    drafted = steps[steps.tree_size > 0]
+    bins = 2 ** np.floor(np.log2(drafted.tree_size)).astype(int)
+    grouped = drafted.assign(size_bin=bins).groupby(["method", "size_bin"], sort=False)
+    table = grouped.agg(tree_size=("tree_size", "mean"), aal=("produced", "mean"), steps=("produced", "size"))
+    return table.reset_index().sort_values(["method", "size_bin"], kind="stable").reset_index(drop=True)

@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 from bastion.bench.datasets import Prompt, chat_tokens
 from bastion.bench.metrics import summarize
+from bastion.bench.records import read_records, run_records
 from bastion.engine import generate
 from bastion.models.target import Target
 from bastion.sampling import GREEDY, Sampling
@@ -35,19 +36,6 @@ class Method:
     def generate(self, target: Target, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling = GREEDY, seed: int = 0):
         return generate(target, prompts, drafter=self.drafter, policy=self.policy, budget=self.budget,
                         max_new_tokens=max_new_tokens, sampling=sampling, seed=seed)
-
-
-def read_records(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    records = []
-    with open(path) as f:
-        for line in f:
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                pass  # a line cut short by a kill: that prompt simply runs again
-    return records
 
 
 def run_methods(
@@ -85,7 +73,7 @@ def run_methods(
 def summarize_run(out_dir: Path, prompts: dict[str, list[Prompt]]) -> pd.DataFrame:
     """Summary over this run's prompts (per benchmark, every shard's records), written to
     out_dir/summary.csv."""
-    records = pd.DataFrame([r for path in sorted(out_dir.glob("results*.jsonl")) for r in read_records(path)])
+    records = pd.DataFrame(run_records(out_dir))
     wanted = {(bench, p.id) for bench, ps in prompts.items() for p in ps}
     keep = [(b, p) in wanted for b, p in zip(records.bench, records.prompt_id)]
     summary = summarize(records[keep])

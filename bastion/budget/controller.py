@@ -76,15 +76,15 @@ class BastionBudget:
 
     def observe(self, step, contexts: list[int], width: int) -> None:
         """Fold in a measured step: its draft and other times, and its verify time at the
-        padded shape (`width` tokens per row after `contexts` cached ones)."""
+        shape that actually ran (`width` tokens per row after `contexts` cached ones)."""
         s = self.smoothing if self._seen else 1.0
         self.draft_s += s * (step.draft_s - self.draft_s)
         self.other_s += s * (step.other_s - self.other_s)
+        forecast = float(self.latency.predict(np.full((1, len(contexts)), width), np.asarray(contexts)[None, :])[0])
         self.latency.observe_forward([width] * len(contexts), contexts, step.verify_s)
         self._seen += 1
-        missed = self.predicted_s is not None and abs(step.verify_s / self.predicted_s - 1) > self.tolerance
-        self.exploring = missed
-        if missed or self._seen % self.refit_every == 0:
+        self.exploring = abs(step.verify_s / forecast - 1) > self.tolerance
+        if self.exploring or self._seen % self.refit_every == 0:
             self.latency.fit(fit_shape=self.latency.distinct_sizes() >= 4)
 
 

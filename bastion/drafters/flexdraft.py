@@ -190,6 +190,7 @@ class FlexDraftDrafter(nn.Module):
         is_mask = (torch.arange(N, device=device) >= M)[None, :, None].expand(B, N, 1)
         hidden = self.run_layers(x, positions, mask, is_mask, lambda i: _writer(cache, i, write_pos, mask))
         self._groups = (keep, hidden[:, M:].view(B, n_groups, G, -1))
+        self.forward_width = N  # tokens per row this forward ran (the latency model is told)
         return hidden[:, :M]
 
     def accept(self, paths: list[list[int]]) -> None:

@@ -1,0 +1,78 @@
+"""Does online calibration rescue a wrong hardware profile?
+
+    python experiments/wrong_profile.py                      # SmolLM2-135M, DFlash, h100 profile on this CPU
+
+Decodes with BASTION started from the h100 profile's prior alone (no probe), and at every step
+asks a reference controller calibrated for this machine (gpu=cpu, start-up probe) which tree
+size *it* would choose for the same trees. Prints both per step and the first step from which
+the wrong-profile choice stays within 20% of the reference.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from bastion.bench.datasets import chat_tokens, load_prompts
+from bastion.budget.controller import BastionBudget
+from bastion.budget.hardware import profile_from_config
+from bastion.compose import build, resolve_device
+from bastion.engine import generate
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class Shadowed:
+    """Decodes with `live`; every step also records the size `reference` would pick."""
+
+    def __init__(self, live: BastionBudget, reference: BastionBudget):
+        self.live, self.reference, self.max_nodes = live, reference, live.max_nodes
+        self.choices: list[tuple[int, int]] = []
+
+    @property
+    def predicted_s(self):
+        return self.live.predicted_s
+
+    def size(self, trees, contexts):
+        # the reference sees the same measured draft and overhead times, and keeps its probe's fit
+        self.reference.draft_s, self.reference.other_s = self.live.draft_s, self.live.other_s
+        ref = sum(t.n_nodes for t in self.reference.size(trees, contexts))
+        sized = self.live.size(trees, contexts)
+        self.choices.append((sum(t.n_nodes for t in sized), ref))
+        return sized
+
+    def observe(self, step, contexts, width):
+        self.live.observe(step, contexts, width)
+
+
+def main(overrides: list[str]) -> None:
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=["drafter=dflash", "tree=best_first", "budget=bastion", *overrides])
+    cfg.device = resolve_device(cfg.device)
+    target = build(cfg.target, name=cfg.target.name)
+    drafter, policy = build(cfg.drafter, target=target), build(cfg.tree)
+    h100, cpu = (profile_from_config(OmegaConf.to_container(OmegaConf.load(ROOT / f"conf/gpu/{g}.yaml")), cfg.device, [])
+                 for g in ("h100", "cpu"))
+    live = BastionBudget(calibrate=False)
+    live.start(target, h100, Path(cfg.cache_dir))
+    reference = BastionBudget(calibrate=True)
+    reference.start(target, cpu, Path(cfg.cache_dir))
+    budget = Shadowed(live, reference)
+    for prompt in load_prompts("gsm8k", 2):
+        tokens = chat_tokens(target.tokenizer, [{"role": "user", "content": prompt.turns[0]}])
+        generate(target, [tokens], drafter=drafter, policy=policy, budget=budget, max_new_tokens=96)
+    print(f"{'step':>4} {'h100 prior':>11} {'cpu probe':>10}")
+    for i, (n, ref) in enumerate(budget.choices[:40]):
+        print(f"{i + 1:>4} {n:>11} {ref:>10}")
+    close = [abs(n - ref) <= 0.2 * max(ref, 1) for n, ref in budget.choices]
+    settled = next((i + 1 for i in range(len(close)) if all(close[i:])), None)
+    print(f"within 20% of the calibrated choice from step {settled} on ({len(close)} steps; "
+          f"{sum(close) / len(close):.0%} of all steps within 20%)")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
