@@ -15,22 +15,18 @@ safetensors named `layers.N.*`, `fc.weight`, `hidden_norm.weight`, `norm.weight`
 
 from __future__ import annotations
 
-import json
 from functools import partial
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoConfig
 
 from bastion.drafters.base import BlockProposal, DraftContext, top_candidates
+from bastion.drafters.checkpoint import read_checkpoint, save_checkpoint
 from bastion.models.kv_cache import KVCache
-from bastion.models.loading import resolve_source
 from bastion.models.target import Target
 from bastion.models.transformer import Block, ModelArgs, RMSNorm, Rotary
-
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 
 class DFlashDrafter(nn.Module):
@@ -129,11 +125,7 @@ class DFlashDrafter(nn.Module):
 
     # ---- checkpoints ------------------------------------------------------------------------
     def save(self, out_dir: Path, dtype: torch.dtype = torch.bfloat16) -> None:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        state = {k: v.detach().to("cpu", dtype).contiguous() for k, v in self.state_dict().items()}
-        save_file(state, out_dir / "model.safetensors")
-        config = {**self.config, "torch_dtype": str(dtype).removeprefix("torch.")}
-        (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        save_checkpoint(self, self.config, out_dir, dtype)
 
 
 def check_fits(drafter: DFlashDrafter, target: Target) -> None:
@@ -187,28 +179,10 @@ def evenly_spaced_layers(n_target_layers: int, n: int) -> list[int]:
     return [round(first + i * (last - first) / (n - 1)) for i in range(n)]
 
 
-def resolve_checkpoint(checkpoint: str) -> Path:
-    """A local directory (relative paths are tried against the project root too) or a Hub id."""
-    for base in (Path.cwd(), PROJECT_ROOT):
-        path = base / checkpoint
-        if (path / "config.json").exists():
-            return path
-    return resolve_source(checkpoint)
-
-
 def load_dflash(target: Target, checkpoint: str | None, top_k: int = 8, block_size: int | None = None) -> DFlashDrafter:
-    if not checkpoint:
-        raise ValueError(
-            f"Target {target.name} names no DFlash drafter: train one with "
-            f"`python train.py drafter=dflash target={target.name}` or set drafter.checkpoint=DIR_OR_HUB_ID."
-        )
-    path = resolve_checkpoint(checkpoint)
-    config = json.loads((path / "config.json").read_text())
+    config, state = read_checkpoint(checkpoint, "dflash", target.name)
     drafter = DFlashDrafter(config, target, top_k=top_k, block_size=block_size)
-    state = {}
-    for file in sorted(path.glob("*.safetensors")):
-        state.update(load_file(file))
     missing, unexpected = drafter.load_state_dict(state, strict=False)
     if missing or unexpected:
-        raise ValueError(f"{path} is not a DFlash checkpoint: missing {missing[:3]}, unexpected {unexpected[:3]}.")
+        raise ValueError(f"{checkpoint} is not a DFlash checkpoint: missing {missing[:3]}, unexpected {unexpected[:3]}.")
     return drafter.to(device=target.device, dtype=target.dtype).eval()

@@ -20,20 +20,18 @@ the current batch.
 from __future__ import annotations
 
 import copy
-import json
 import math
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
 from torch import nn
 
 from bastion.budget.hardware import measure
 from bastion.budget.latency import calibrated
 from bastion.drafters.base import BlockProposal, DraftContext
-from bastion.drafters.dflash import resolve_checkpoint
+from bastion.drafters.checkpoint import read_checkpoint, save_checkpoint
 from bastion.models.kv_cache import KVCache
 from bastion.models.loading import CACHE_DIR
 from bastion.models.target import Target
@@ -217,10 +215,7 @@ class FlexDraftDrafter(nn.Module):
 
     # ---- checkpoints ------------------------------------------------------------------------------
     def save(self, out_dir: Path, dtype: torch.dtype = torch.bfloat16) -> None:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        state = {k: v.detach().to("cpu", dtype).contiguous() for k, v in self.state_dict().items()}
-        save_file(state, out_dir / "model.safetensors")
-        (out_dir / "config.json").write_text(json.dumps({**self.config, "torch_dtype": str(dtype).removeprefix("torch.")}, indent=2) + "\n")
+        save_checkpoint(self, self.config, out_dir, dtype)
 
 
 def _writer(cache: KVCache, layer: int, write_pos, mask):
@@ -229,13 +224,7 @@ def _writer(cache: KVCache, layer: int, write_pos, mask):
 
 def load_flexdraft(target: Target, checkpoint: str | None, mode: str = "sequential", selection: str = "min_confidence",
                    threshold: float = 0.1, top_k: int = 8, calibration: bool = True, cache_dir: str | None = None) -> FlexDraftDrafter:
-    if not checkpoint:
-        raise ValueError(
-            f"Target {target.name} names no FlexDraft drafter: train one with "
-            f"`python train.py drafter=flexdraft target={target.name}` or set drafter.checkpoint=DIR."
-        )
-    path = resolve_checkpoint(checkpoint)
-    config = json.loads((path / "config.json").read_text())
+    config, state = read_checkpoint(checkpoint, "flexdraft", target.name)
     a = target.args
     if (config["num_target_layers"], config["hidden_size"], config["vocab_size"]) != (a.n_layers, a.hidden_size, a.vocab_size):
         raise ValueError(
@@ -244,7 +233,7 @@ def load_flexdraft(target: Target, checkpoint: str | None, mode: str = "sequenti
         )
     drafter = FlexDraftDrafter(target, config["tuned_layers"], config["group_size"], config["calibration_hidden"],
                                mode, selection, threshold, top_k)
-    drafter.load_state_dict(load_file(path / "model.safetensors"))
+    drafter.load_state_dict(state)
     drafter.use_calibration = calibration
     if mode == "flex":  # the switch between modes comes from this machine's measured latency
         drafter.latency = calibrated(target, measure(str(target.device)), Path(cache_dir or CACHE_DIR))
