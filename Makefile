@@ -17,7 +17,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	touch $@
 
 demo: install
-	$(PY) run.py
+	$(PY) run.py experiment=demo
 
 test: install
 	$(PY) -m pytest -q

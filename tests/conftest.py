@@ -17,6 +17,7 @@ torch.set_num_threads(2)
 def target_config(name: str, **overrides) -> dict:
     cfg = OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "target" / f"{name}.yaml"), resolve=False)
     cfg.pop("_target_")
+    cfg.pop("drafters", None)
     cfg["device"] = "cpu"
     cfg.update(overrides)
     return cfg

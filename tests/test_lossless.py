@@ -101,3 +101,17 @@ def test_batched_bastion_budget_lossless(tiny_qwen3, policy, tmp_path):
     for prompt, exp, gen in zip(prompts, expected, d.generations):
         assert_same_tokens(target, prompt, exp, gen.tokens, f"bastion batch {policy}")
     assert any(len(set(s.tree_sizes)) > 1 for s in d.steps), "rows should get different budgets"
+
+
+def test_stop_strings_end_every_method_at_the_same_token(tiny_llama):
+    prompts = random_prompts(4, seed=5)
+    full = ar_outputs(tiny_llama, prompts, 24)
+    text = tiny_llama.tokenizer.decode(full[0])
+    stop = text[len(text) // 2 : len(text) // 2 + 3]  # a piece of the middle of AR's first answer
+    ar = generate(tiny_llama, prompts, max_new_tokens=24, stop_strings=(stop,)).generations
+    assert ar[0].finish == "stop" and stop in tiny_llama.tokenizer.decode(ar[0].tokens)
+    assert stop not in tiny_llama.tokenizer.decode(ar[0].tokens[:-1])
+    oracle = OracleDrafter(dict(zip(map(tuple, prompts), full)), vocab=49152, top_k=4)
+    spec = generate(tiny_llama, prompts, drafter=oracle, policy=best_first, budget=FixedBudget(8), max_new_tokens=24,
+                    stop_strings=(stop,)).generations
+    assert [g.tokens for g in spec] == [g.tokens for g in ar] and [g.finish for g in spec] == [g.finish for g in ar]

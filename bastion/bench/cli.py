@@ -50,7 +50,7 @@ def run(cfg: DictConfig) -> None:
     shard = f".rank{rank}" if world > 1 else ""
     for name in names:  # under torchrun each process decodes every world-th prompt
         run_methods(target, methods, prompts[name][rank::world], name, out_dir, d.max_new_tokens, d.batch_size, cfg.warmup,
-                    sampling, cfg.seed, shard)
+                    sampling, cfg.seed, shard, tuple(d.stop))
     if world > 1:
         wait_for_all_ranks()
         if rank:

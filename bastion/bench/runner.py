@@ -33,9 +33,10 @@ class Method:
     budget: object | None = None
     oracle: str | None = None  # an oracle sweep's fixed budgets share the name their best is reported under
 
-    def generate(self, target: Target, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling = GREEDY, seed: int = 0):
+    def generate(self, target: Target, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling = GREEDY,
+                 seed: int = 0, stop: tuple[str, ...] = ()):
         return generate(target, prompts, drafter=self.drafter, policy=self.policy, budget=self.budget,
-                        max_new_tokens=max_new_tokens, sampling=sampling, seed=seed)
+                        max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, stop_strings=stop)
 
 
 def run_methods(
@@ -50,6 +51,7 @@ def run_methods(
     sampling: Sampling = GREEDY,
     seed: int = 0,
     shard: str = "",
+    stop: tuple[str, ...] = (),
 ) -> None:
     """Decode `prompts` with every method; append a record per prompt to
     out_dir/results{shard}.jsonl, skipping those already there."""
@@ -59,13 +61,13 @@ def run_methods(
     if warmup:
         first = chat_tokens(target.tokenizer, [{"role": "user", "content": prompts[0].turns[0]}])
         for method in methods:
-            method.generate(target, [first], min(8, max_new_tokens), sampling, seed)
+            method.generate(target, [first], min(8, max_new_tokens), sampling, seed, stop)
     with open(results, "a") as sink:
         for method in methods:
             todo = [p for p in prompts if (method.name, bench, p.id) not in done]
             batches = [todo[i : i + batch_size] for i in range(0, len(todo), batch_size)]
             for batch in tqdm(batches, desc=f"{bench}/{method.name}", unit="batch", leave=False):
-                for record in decode_batch(target, method, batch, bench, max_new_tokens, sampling, seed):
+                for record in decode_batch(target, method, batch, bench, max_new_tokens, sampling, seed, stop):
                     sink.write(json.dumps(record) + "\n")
                 sink.flush()
 
@@ -82,7 +84,7 @@ def summarize_run(out_dir: Path, prompts: dict[str, list[Prompt]]) -> pd.DataFra
 
 
 def decode_batch(target: Target, method: Method, batch: list[Prompt], bench: str, max_new_tokens: int,
-                 sampling: Sampling = GREEDY, seed: int = 0) -> list[dict]:
+                 sampling: Sampling = GREEDY, seed: int = 0, stop: tuple[str, ...] = ()) -> list[dict]:
     """Decode a batch of prompts turn by turn (a later turn sees the model's own earlier answers)."""
     conversations: list[list[dict]] = [[] for _ in batch]
     records = [
@@ -96,7 +98,7 @@ def decode_batch(target: Target, method: Method, batch: list[Prompt], bench: str
         rows = [i for i, p in enumerate(batch) if turn < len(p.turns)]
         for i in rows:
             conversations[i].append({"role": "user", "content": batch[i].turns[turn]})
-        decoding = method.generate(target, [chat_tokens(target.tokenizer, conversations[i]) for i in rows], max_new_tokens, sampling, seed)
+        decoding = method.generate(target, [chat_tokens(target.tokenizer, conversations[i]) for i in rows], max_new_tokens, sampling, seed, stop)
         for row, (i, gen) in enumerate(zip(rows, decoding.generations)):
             text = target.tokenizer.decode(gen.tokens, skip_special_tokens=True)
             conversations[i].append({"role": "assistant", "content": text})
