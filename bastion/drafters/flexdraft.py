@@ -71,7 +71,7 @@ class FlexDraftDrafter(nn.Module):
         self.config = {"architectures": ["FlexDraftDrafter"], "target": target.name, "num_target_layers": args.n_layers,
                        "hidden_size": args.hidden_size, "vocab_size": args.vocab_size, "tuned_layers": tuned_layers,
                        "group_size": group_size, "calibration_hidden": calibration_hidden}
-        self.latency = None  # set by the engine's budget controller when flex mode needs it
+        self.latency = None  # flex mode's latency model (load_flexdraft calibrates it on this machine)
         self._pending: dict[int, torch.Tensor] = {}  # row -> hidden of the group drafted for its accepted node
 
     # ---- the forward shared by drafting, parallel verification and training -------------------
@@ -123,6 +123,8 @@ class FlexDraftDrafter(nn.Module):
         whether one forward of tree + kept groups beats a tree forward plus a group forward."""
         if self.mode != "flex":
             return self.mode == "parallel"
+        if self.latency is None:
+            raise ValueError("FlexDraft's flex mode needs a latency model: load it with load_flexdraft (drafter=flexdraft).")
         width = max(len(t.tokens) for t in trees)
         groups = max(len(self.selected_nodes(t)) for t in trees)
         ctx = np.asarray(contexts)[None, :]
