@@ -99,3 +99,22 @@ def test_lossless_with_a_dflash_drafter(tiny_llama, policy):
         d = generate(tiny_llama, prompts, drafter=drafter, policy=policy, budget=FixedBudget(budget), max_new_tokens=20)
         for p, exp, gen in zip(prompts, expected, d.generations):
             assert_same_tokens(tiny_llama, p, exp, gen.tokens, f"dflash {policy.__name__} {budget}")
+
+
+def test_draft_vocabulary_limits_drafts_and_round_trips(tiny_llama, tmp_path):
+    config = new_dflash_config(tiny_llama, 1, 5, [0, 1], 16, draft_vocab_size=300)
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(config, tiny_llama).to(tiny_llama.dtype).eval()
+    vocab = torch.arange(0, 49152, 164)[:300]
+    drafter.set_draft_vocab(vocab)
+    drafter.save(tmp_path)
+    loaded = load_dflash(tiny_llama, str(tmp_path), top_k=4)
+    assert torch.equal(loaded.draft_vocab, vocab)
+    prompts = random_prompts(4, seed=9)
+    expected = ar_outputs(tiny_llama, prompts, 16)
+    d = generate(tiny_llama, prompts, drafter=loaded, policy=best_first, budget=FixedBudget(8), max_new_tokens=16)
+    for p, exp, gen in zip(prompts, expected, d.generations):
+        assert_same_tokens(tiny_llama, p, exp, gen.tokens, "draft vocabulary")
+    loaded.reset(1, 64)
+    proposal = loaded.propose(DraftContext([prompts[0]], target_features(tiny_llama, prompts[0], (0, 1))[:, :-1], [len(prompts[0]) - 1]))
+    assert set(proposal.tokens.flatten().tolist()) <= set(vocab.tolist())

@@ -111,3 +111,17 @@ def test_checkpoint_roundtrip_and_mismatch(tiny_qwen3, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**config, "num_target_layers": 36}))
     with pytest.raises(ValueError, match="trained for tiny_qwen3 \\(36 layers"):
         load_flexdraft(tiny_qwen3, str(tmp_path))
+
+
+def test_flex_mode_stops_drafting_when_it_cannot_pay(tiny_llama):
+    """Verifying 8 tokens costs 8x one token here: no acceptance rate pays for drafting, so flex
+    decodes AR steps, trying a draft again every few steps, and stays lossless."""
+    prompts = random_prompts(3, seed=8)
+    expected = ar_outputs(tiny_llama, prompts, 24)
+    drafter = random_flexdraft(tiny_llama, mode="flex")
+    drafter.latency = synthetic_latency(tiny_llama, parallel_cheaper=False)
+    d = generate(tiny_llama, prompts, drafter=drafter, policy=chain, budget=FixedBudget(3), max_new_tokens=24)
+    for p, exp, gen in zip(prompts, expected, d.generations):
+        assert_same_tokens(tiny_llama, p, exp, gen.tokens, "flex off")
+    sizes = [max(s.tree_sizes) for s in d.steps]
+    assert sizes[0] == 0 and sizes.count(0) >= 0.75 * len(sizes) and max(sizes) > 0  # off, with retries

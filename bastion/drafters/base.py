@@ -28,6 +28,13 @@ class BlockProposal:
     def block_size(self) -> int:
         return self.tokens.shape[1]
 
+    @staticmethod
+    def empty(roots: list[int], positions: int, k: int, device) -> BlockProposal:
+        """No candidates at all: policies build root-only trees, and the step is an AR step."""
+        B = len(roots)
+        return BlockProposal(roots, torch.zeros(B, positions, k, dtype=torch.long, device=device),
+                             torch.full((B, positions, k), -torch.inf, device=device))
+
     def distributions(self, sampling: Sampling, vocab_size: int) -> torch.Tensor:
         """The draft distributions q [B, K, V] that sampled trees are drawn from: the full
         logits through the same temperature / top-k / top-p as the target, or else the

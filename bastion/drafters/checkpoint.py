@@ -39,6 +39,7 @@ def read_checkpoint(checkpoint: str | None, kind: str, target_name: str) -> tupl
 
 def save_checkpoint(module: nn.Module, config: dict, out_dir: Path, dtype: torch.dtype) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().to("cpu", dtype).contiguous() for k, v in module.state_dict().items()}, out_dir / "model.safetensors")
+    state = {k: v.detach().to("cpu", dtype if v.is_floating_point() else v.dtype).contiguous() for k, v in module.state_dict().items()}
+    save_file(state, out_dir / "model.safetensors")
     config = {**config, "torch_dtype": str(dtype).removeprefix("torch.")}
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")

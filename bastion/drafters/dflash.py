@@ -48,8 +48,13 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(h, self.args.rms_norm_eps)
         self.norm = RMSNorm(h, self.args.rms_norm_eps)
         self.rotary = Rotary(hf_config)
+        # An optional draft vocabulary (EAGLE-3's trick, our extension of the format): drafts
+        # come from these target tokens only, so the LM head reads a fraction of its rows.
+        vocab = dflash.get("draft_vocab_size")
+        self.register_buffer("draft_vocab", torch.arange(vocab) if vocab else None)
         self.target = target  # a plain dataclass: its weights are shared, not registered here
         self.cache: KVCache | None = None
+        self._head: torch.Tensor | None = None  # the LM head rows of the draft vocabulary, gathered once
 
     # ---- decoding ---------------------------------------------------------------------------
     def reset(self, batch_size: int, capacity: int) -> None:
@@ -73,8 +78,30 @@ class DFlashDrafter(nn.Module):
         cos, sin = self.rotary(write_pos, x.dtype)  # a block token's position is its cache slot
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, mask, partial(self.cache.write, i, write_pos=write_pos, s_view=mask.shape[-1]))
-        logits = self.target.logits(self.norm(x)[:, 1:])  # [B, K-1, V]: the root needs no draft
+        logits = self.logits(self.norm(x)[:, 1:])  # [B, K-1, V]: the root needs no draft
         return top_candidates(logits, roots, self.top_k)
+
+    def set_draft_vocab(self, token_ids: torch.Tensor) -> None:
+        self.draft_vocab = token_ids.to(self.fc.weight.device)
+        self._head = None
+
+    def head_weight(self) -> torch.Tensor:
+        """The LM head rows drafts are scored over: all of them, or the draft vocabulary's."""
+        weight = self.target.model.lm_head.weight
+        if self.draft_vocab is None:
+            return weight
+        if self._head is None or self._head.device != weight.device or self._head.dtype != weight.dtype:
+            self._head = weight[self.draft_vocab].detach()
+        return self._head
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., h] -> full-vocabulary logits [..., V]; tokens outside the draft vocabulary get -inf."""
+        logits = torch.nn.functional.linear(hidden, self.head_weight())
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        if self.draft_vocab is None:
+            return logits
+        full = logits.new_full((*logits.shape[:-1], self.target.args.vocab_size), -torch.inf)
+        return full.index_copy_(-1, self.draft_vocab, logits)
 
     def _append_context(self, features: torch.Tensor, n_features: list[int]) -> None:
         """Project newly verified tokens' target features [B, T, F] and cache every layer's K/V."""
@@ -146,9 +173,13 @@ def check_fits(drafter: DFlashDrafter, target: Target) -> None:
         raise ValueError(f"This DFlash drafter does not fit target {target.name}: {'; '.join(problems)}.")
 
 
-def new_dflash_config(target: Target, layers: int, block_size: int, target_layer_ids: list[int], mask_token_id: int) -> dict:
+def new_dflash_config(target: Target, layers: int, block_size: int, target_layer_ids: list[int], mask_token_id: int,
+                      draft_vocab_size: int | None = None) -> dict:
     """A Qwen3-style drafter config shaped like the target (so it shares embeddings and head)."""
     a = target.args
+    dflash = {"target_layer_ids": list(target_layer_ids), "mask_token_id": mask_token_id}
+    if draft_vocab_size:
+        dflash["draft_vocab_size"] = draft_vocab_size
     return {
         "architectures": ["DFlashDraftModel"],
         "model_type": "qwen3",
@@ -167,7 +198,7 @@ def new_dflash_config(target: Target, layers: int, block_size: int, target_layer
         "tie_word_embeddings": False,
         "block_size": block_size,
         "num_target_layers": a.n_layers,
-        "dflash_config": {"target_layer_ids": list(target_layer_ids), "mask_token_id": mask_token_id},
+        "dflash_config": dflash,
     }
 
 

@@ -14,7 +14,8 @@ Decoding modes (`mode`): *sequential* drafts one group after each verification (
 small forward); *parallel* rides along the verification forward, with one group per tree node
 (every possible accepted path), keeping only groups whose draft confidence passes *selective
 verification*; *flex* picks, every step, the mode the latency model predicts to be faster for
-the current batch.
+the current batch, and drafts not at all (plain AR steps, re-tried every few steps) while the
+measured tokens per step cannot pay for either, so a batch too large to gain never loses much.
 """
 
 from __future__ import annotations
@@ -73,6 +74,10 @@ class FlexDraftDrafter(nn.Module):
                        "group_size": group_size, "calibration_hidden": calibration_hidden}
         self.latency = None  # flex mode's latency model (load_flexdraft calibrates it on this machine)
         self._pending: dict[int, torch.Tensor] = {}  # row -> hidden of the group drafted for its accepted node
+        self.tokens_per_step = 2.0  # flex mode: running mean of tokens a drafted step produced per row
+        self._lengths: list[int] | None = None  # rows' sequence lengths when the last draft was made
+        self._off = 0  # flex mode: AR steps left before drafting is tried again
+        self.drafting = True  # False while flex mode has drafting off (this step is an AR step)
 
     # ---- the forward shared by drafting, parallel verification and training -------------------
     def run_layers(self, x, positions, mask, is_mask, extend_kv):
@@ -109,10 +114,37 @@ class FlexDraftDrafter(nn.Module):
 
     # ---- decoding -------------------------------------------------------------------------------
     def reset(self, batch_size: int, capacity: int) -> None:
-        self._pending = {}
+        self._pending, self._lengths, self._off = {}, None, 0
 
     def keep_rows(self, rows: list[int]) -> None:
         self._pending = {new: self._pending[old] for new, old in enumerate(rows) if old in self._pending}
+        if self._lengths is not None:
+            self._lengths = [self._lengths[r] for r in rows]
+
+    def drafting_pays(self, ctx: DraftContext) -> bool:
+        """Flex mode: do the measured tokens per step beat AR at this batch in either mode?
+        When not, the next few steps are AR steps; then drafting is tried (and measured) again."""
+        if self._lengths is not None:  # learn from what the last drafted step produced
+            produced = np.mean([len(s) - n for s, n in zip(ctx.sequences, self._lengths)])
+            self.tokens_per_step += 0.3 * (produced - self.tokens_per_step)
+            self._lengths = None
+        if self._off:
+            self._off -= 1
+            if self._off:
+                return False
+        elif not self._pays(ctx):  # (the step the countdown ends drafts anyway: a fresh measurement)
+            self._off = 8
+            return False
+        self._lengths = [len(s) for s in ctx.sequences]
+        return True
+
+    def _pays(self, ctx: DraftContext) -> bool:
+        ctx_len = np.asarray(ctx.cache.lengths)[None, :]
+        rows = np.ones_like(ctx_len)
+        step = lambda n: float(self.latency.predict(rows * n, ctx_len)[0])  # noqa: E731
+        width, G = self.group_size, self.group_size  # a chain of G - 1 drafts under its root
+        best = min(step(width) + step(G), step(width + 2 * G))  # sequential, or parallel with ~2 groups kept
+        return self.tokens_per_step * step(1) >= best
 
     def extra_tokens(self, max_nodes: int) -> int:
         """Cache slots a forward may need beyond the tree: the mask groups."""
@@ -123,8 +155,8 @@ class FlexDraftDrafter(nn.Module):
         whether one forward of tree + kept groups beats a tree forward plus a group forward."""
         if self.mode != "flex":
             return self.mode == "parallel"
-        if self.latency is None:
-            raise ValueError("FlexDraft's flex mode needs a latency model: load it with load_flexdraft (drafter=flexdraft).")
+        if not self.drafting:  # an AR step: nothing to draft alongside
+            return False
         width = max(len(t.tokens) for t in trees)
         groups = max(len(self.selected_nodes(t)) for t in trees)
         ctx = np.asarray(contexts)[None, :]
@@ -137,6 +169,13 @@ class FlexDraftDrafter(nn.Module):
     def propose(self, ctx: DraftContext) -> BlockProposal:
         roots = [seq[-1] for seq in ctx.sequences]
         B = len(roots)
+        if self.mode == "flex":
+            if self.latency is None:
+                raise ValueError("FlexDraft's flex mode needs a latency model: load it with load_flexdraft (drafter=flexdraft).")
+            self.drafting = self.drafting_pays(ctx)
+            if not self.drafting:
+                self._pending = {}
+                return BlockProposal.empty(roots, self.group_size - 1, self.top_k, self.mask_embedding.device)
         hidden = [self._pending.get(b) for b in range(B)]
         missing = [b for b in range(B) if hidden[b] is None]
         if missing:  # sequential drafting (or a parallel group that selective verification pruned)

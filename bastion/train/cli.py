@@ -13,7 +13,7 @@ from bastion.compose import build, resolve_device
 from bastion.drafters.dflash import DFlashDrafter, evenly_spaced_layers, new_dflash_config
 from bastion.drafters.flexdraft import FlexDraftDrafter
 from bastion.train.data import build_selfdistill, training_prompts
-from bastion.train.dflash import train_dflash
+from bastion.train.dflash import most_frequent_tokens, train_dflash
 from bastion.train.examples import to_examples
 from bastion.train.flexdraft import train_flexdraft
 from bastion.train.loop import write_log
@@ -38,8 +38,12 @@ def train(cfg: DictConfig) -> None:
     recipe, state = cfg.recipe, Path(cfg.recipe.work_dir) / "train_state.pt"
     optim = OmegaConf.to_container(recipe.optim)
     if cfg.drafter.name == "dflash":
-        config = new_dflash_config(target, recipe.layers, recipe.block_size, list(layers), mask_token(cfg, target))
+        config = new_dflash_config(target, recipe.layers, recipe.block_size, list(layers), mask_token(cfg, target), recipe.draft_vocab)
         drafter = DFlashDrafter(config, target).to(target.device)
+        if recipe.draft_vocab:
+            vocab, coverage = most_frequent_tokens(examples, recipe.draft_vocab, target.args.vocab_size)
+            drafter.set_draft_vocab(vocab)
+            print(f"draft vocabulary: {len(vocab)} tokens cover {coverage:.2%} of the answer tokens")
         log = train_dflash(drafter, examples, state, **optim, seed=cfg.seed)
     else:
         drafter = FlexDraftDrafter(target, recipe.tuned_layers, recipe.group_size, recipe.calibration_hidden,

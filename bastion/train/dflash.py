@@ -28,30 +28,46 @@ def sample_batch(examples: list[Example], n_seqs: int, n_anchors: int, gen: torc
     return tokens, features, anchors, anchor_ok, lengths
 
 
-def block_loss(drafter: DFlashDrafter, head_weight: torch.Tensor, batch, gamma: float):
-    """Weighted cross-entropy over block positions 1..K-1; also per-position hits and counts."""
+def block_loss(drafter: DFlashDrafter, batch, gamma: float):
+    """Weighted cross-entropy over block positions 1..K-1 (over the draft vocabulary when the
+    drafter has one: labels outside it carry no loss); also per-position hits and counts."""
     tokens, features, anchors, anchor_ok, lengths = batch
     B, S = tokens.shape
     K = drafter.block_size
     hidden = drafter.block_hidden(features, tokens, anchors)[:, :, 1:]  # [B, M, K-1, h]
-    logits = F.linear(hidden.flatten(0, 2), head_weight).float()  # [B*M*(K-1), V]: a 2-D matmul, not a slow bmm
+    logits = F.linear(hidden.flatten(0, 2), drafter.head_weight()).float()  # [B*M*(K-1), V']: a 2-D matmul, not a slow bmm
     label_pos = anchors[:, :, None] + torch.arange(1, K)  # [B, M, K-1]
-    label_ok = anchor_ok[:, :, None] & (label_pos < lengths[:, None, None])
+    valid = anchor_ok[:, :, None] & (label_pos < lengths[:, None, None])
     labels = tokens.gather(1, label_pos.clamp(max=S - 1).flatten(1)).view_as(label_pos)
+    if drafter.draft_vocab is not None:
+        to_draft = torch.full((drafter.target.args.vocab_size,), -1, dtype=torch.long)
+        to_draft[drafter.draft_vocab] = torch.arange(len(drafter.draft_vocab))
+        labels = to_draft[labels]
+    scored = valid & (labels >= 0)
+    labels = labels.clamp(min=0)
     ce = F.cross_entropy(logits, labels.flatten(), reduction="none").view_as(labels)
-    weights = label_ok * torch.exp(-torch.arange(K - 1) / gamma)
+    weights = scored * torch.exp(-torch.arange(K - 1) / gamma)
     loss = (ce * weights).sum() / weights.sum()
-    hits = ((logits.argmax(-1).view_as(labels) == labels) & label_ok).flatten(0, 1).sum(0)  # [K-1]
-    return loss, hits, label_ok.flatten(0, 1).sum(0)
+    hits = ((logits.argmax(-1).view_as(labels) == labels) & scored).flatten(0, 1).sum(0)  # [K-1]
+    return loss, hits, valid.flatten(0, 1).sum(0)
+
+
+def most_frequent_tokens(examples: list[Example], n: int, vocab_size: int) -> tuple[torch.Tensor, float]:
+    """A draft vocabulary: the n most frequent answer tokens, ties (unseen tokens among them)
+    broken by lower id, which in a BPE vocabulary means a more frequent merge. Also returns
+    the share of answer tokens covered."""
+    counts = torch.bincount(torch.cat([e.tokens[e.answer_start:] for e in examples]), minlength=vocab_size)
+    rank = counts * vocab_size + (vocab_size - 1 - torch.arange(vocab_size))
+    top = rank.argsort(descending=True)[:n]
+    return top.sort().values, float(counts[top].sum() / counts.sum())
 
 
 def train_dflash(drafter: DFlashDrafter, examples: list[Example], state_path: Path, steps: int, lr: float = 6e-4,
                  seqs_per_step: int = 4, anchors: int = 32, gamma: float = 4.0, **loop) -> list[dict]:
     """Optimise the drafter's own weights (the target's embeddings and head stay frozen)."""
-    head = drafter.target.model.lm_head.weight.detach()
     return train_loop(
         drafter, [{"params": [p for p in drafter.parameters() if p.requires_grad], "lr": lr}],
         lambda gen: sample_batch(examples, seqs_per_step, anchors, gen),
-        lambda batch: block_loss(drafter, head, batch, gamma),
+        lambda batch: block_loss(drafter, batch, gamma),
         state_path, steps, desc="train dflash", **loop,
     )
