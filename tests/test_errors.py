@@ -72,7 +72,7 @@ def test_wrong_choice_lists_the_options():
 
 def test_impossible_budget_fails_before_loading_the_model():
     # the target points at a Hub id that cannot load here: the budget error must come first
-    result = run_py("budget.nodes=0", "target.source=nobody/no-such-model")
+    result = run_py("budget=fixed", "budget.nodes=0", "target.source=nobody/no-such-model")
     assert result.returncode != 0
     assert "budget.nodes must be at least 1" in result.stderr
     assert "Cannot load model" not in result.stderr
