@@ -13,9 +13,11 @@ from omegaconf import DictConfig
 
 @hydra.main(config_path="conf", config_name="training", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    from bastion.errors import user_errors
     from bastion.train.cli import train
 
-    train(cfg)
+    with user_errors():
+        train(cfg)
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ def main(overrides: list[str]) -> None:
     for context in CONTEXTS:
         measured = probe_times(target, context)
         for n, seconds in zip(SIZES, measured):
-            predicted = float(model.predict(np.array([n]), np.array([context]))[0])
+            predicted = float(model.predict(np.array([n]), np.array([context])))
             errors.append(abs(predicted / seconds - 1))
             print(f"{n:>5} {context:>8} {seconds * 1e3:>12.1f} {predicted * 1e3:>13.1f} {100 * errors[-1]:>6.1f}%")
     print(f"median absolute error: {100 * np.median(errors):.1f}% (max {100 * max(errors):.1f}%) over {len(errors)} points")

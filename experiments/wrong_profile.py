@@ -13,6 +13,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
@@ -41,8 +42,9 @@ class Shadowed:
         # the reference sees the same measured draft and overhead times, and keeps its probe's fit
         self.reference.draft_s, self.reference.other_s = self.live.draft_s, self.live.other_s
         ref = sum(t.n_nodes for t in self.reference.size(trees, contexts))
+        exploring = self.live.exploring
         sized = self.live.size(trees, contexts)
-        self.choices.append((sum(t.n_nodes for t in sized), ref))
+        self.choices.append((sum(t.n_nodes for t in sized), ref, exploring))
         return sized
 
     def observe(self, step, contexts, width):
@@ -66,12 +68,13 @@ def main(overrides: list[str]) -> None:
         tokens = chat_tokens(target.tokenizer, [{"role": "user", "content": prompt.turns[0]}])
         generate(target, [tokens], drafter=drafter, policy=policy, budget=budget, max_new_tokens=96)
     print(f"{'step':>4} {'h100 prior':>11} {'cpu probe':>10}")
-    for i, (n, ref) in enumerate(budget.choices[:40]):
-        print(f"{i + 1:>4} {n:>11} {ref:>10}")
-    close = [abs(n - ref) <= 0.2 * max(ref, 1) for n, ref in budget.choices]
-    settled = next((i + 1 for i in range(len(close)) if all(close[i:])), None)
-    print(f"within 20% of the calibrated choice from step {settled} on ({len(close)} steps; "
-          f"{sum(close) / len(close):.0%} of all steps within 20%)")
+    for i, (n, ref, exploring) in enumerate(budget.choices[:40]):
+        print(f"{i + 1:>4} {n:>11} {ref:>10}{'  (exploring)' if exploring else ''}")
+    print(f"{'steps':>8} {'median |n - ref| / ref':>23} {'within 20%':>11}")
+    for lo, hi in ((1, 10), (11, 20), (21, 40), (41, len(budget.choices))):
+        window = budget.choices[lo - 1 : hi]
+        gaps = [abs(n - ref) / max(ref, 1) for n, ref, _ in window]
+        print(f"{lo:>3}-{hi:<4} {np.median(gaps):>23.0%} {np.mean([g <= 0.2 for g in gaps]):>11.0%}")
 
 
 if __name__ == "__main__":

@@ -88,6 +88,7 @@ def test_no_checkpoint_says_how_to_train(tiny_qwen3):
 def test_evenly_spaced_layers():
     assert evenly_spaced_layers(36, 5) == [1, 9, 17, 25, 33]  # z-lab/Qwen3-8B-DFlash-b16
     assert evenly_spaced_layers(30, 1) == [15]
+    assert evenly_spaced_layers(2, 5) == [1]  # a 2-layer test target: distinct, in range
 
 
 @pytest.mark.parametrize("policy", [chain, best_first])

@@ -15,7 +15,7 @@ from bastion.drafters.flexdraft import FlexDraftDrafter, load_flexdraft
 from bastion.models.target import load_target
 from bastion.train.data import build_selfdistill, load_selfdistill, training_prompts
 from bastion.train.dflash import train_dflash
-from bastion.train.examples import to_examples
+from bastion.train.examples import split_examples, to_examples
 from bastion.train.flexdraft import train_flexdraft
 from tests.conftest import ROOT, target_config
 
@@ -56,7 +56,8 @@ def test_selfdistill_is_the_targets_own_greedy_answers_and_resumes(tiny, data):
 
 @pytest.mark.parametrize("kind", ["dflash", "flexdraft"])
 def test_training_learns_and_resumes(tiny, data, kind, tmp_path):
-    examples = to_examples(data[1])
+    examples, val_examples = split_examples(to_examples(data[1]), 0.34)
+    assert len(examples) == 4 and len(val_examples) == 2
     torch.manual_seed(0)
     if kind == "dflash":
         drafter, train = DFlashDrafter(new_dflash_config(tiny, 1, 4, [0, 1], 16), tiny), train_dflash
@@ -65,11 +66,11 @@ def test_training_learns_and_resumes(tiny, data, kind, tmp_path):
         drafter, train = FlexDraftDrafter(tiny, tuned_layers=1, group_size=4, calibration_hidden=16, mask_token_id=16), train_flexdraft
         kw = dict(seqs_per_step=2, anchors=8, lr=3e-3, lr_tuned=1e-3)
     state = tmp_path / "state.pt"
-    log = train(drafter, examples, state, steps=30, log_every=10, save_every=10, **kw)
+    log = train(drafter, examples, state, steps=30, log_every=10, save_every=10, val_examples=val_examples, val_every=10, **kw)
     assert log[-1]["loss"] < log[0]["loss"]
-    assert len(log[-1]["acc"]) == 3
+    assert len(log[-1]["acc"]) == 3 and len(log[-1]["val_acc"]) == 3 and "val_loss" in log[0]
     # a rerun with more steps resumes at step 30 and keeps the log
-    log = train(drafter, examples, state, steps=40, log_every=10, save_every=10, **kw)
+    log = train(drafter, examples, state, steps=40, log_every=10, save_every=10, val_examples=val_examples, val_every=10, **kw)
     assert [r["step"] for r in log] == [10, 20, 30, 40]
 
 
@@ -83,6 +84,6 @@ def test_train_py_end_to_end(tmp_path):
     assert config["tuned_layers"] == 1 and (tmp_path / "out" / "train_log.jsonl").exists()
     tiny = load_target(**target_config("tiny_qwen3"))
     assert load_flexdraft(tiny, str(tmp_path / "out")).group_size == 4
-    assert "python train.py trains dflash and flexdraft" in subprocess.run(
+    assert "train.py trains dflash and flexdraft drafters" in subprocess.run(
         [sys.executable, "train.py", "target=tiny_qwen3", "drafter=ngram", "recipe=dflash", f"cache_dir={tmp_path}"],
         cwd=ROOT, capture_output=True, text=True, timeout=300).stderr

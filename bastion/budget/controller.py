@@ -10,8 +10,9 @@ online from measured verify times; T_draft and the overhead are running means of
 
 A model that is wrong (a wrong hardware profile, another process on the machine) only ever
 sees the sizes it chooses, which cannot tell compute from memory costs apart. So while its
-forecasts miss by more than `tolerance`, the controller explores: it verifies at half, a
-quarter and twice its choice in turn, and refits at once, until the forecasts are right again.
+forecasts are off by more than `tolerance` on average (a running mean of the signed log error,
+so that timing noise cancels and a bias does not), the controller explores: it verifies at
+half, a quarter and twice its choice in turn, and refits at once, until forecasts are right.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ class BastionBudget:
             raise ValueError(f"budget.refit_every must be at least 1 (got {refit_every}).")
         self.max_nodes, self.calibrate, self.refit_every, self.smoothing = max_nodes, calibrate, refit_every, smoothing
         self.tolerance = tolerance
-        self.exploring = False  # while forecasts miss
+        self.exploring = False  # while forecasts are biased
+        self.bias = 0.0  # running mean of log(measured / forecast) verify time
         self._explored = 0  # explorations so far: the factors cycle across episodes
         self.latency: LatencyModel | None = None
         self.draft_s = self.other_s = 0.0
@@ -83,7 +85,8 @@ class BastionBudget:
         forecast = float(self.latency.predict(np.full((1, len(contexts)), width), np.asarray(contexts)[None, :])[0])
         self.latency.observe_forward([width] * len(contexts), contexts, step.verify_s)
         self._seen += 1
-        self.exploring = abs(step.verify_s / forecast - 1) > self.tolerance
+        self.bias += 0.3 * (math.log(step.verify_s / forecast) - self.bias)
+        self.exploring = abs(self.bias) > math.log(1 + self.tolerance)
         if self.exploring or self._seen % self.refit_every == 0:
             self.latency.fit(fit_shape=self.latency.distinct_sizes() >= 4)
 

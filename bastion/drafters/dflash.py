@@ -203,11 +203,13 @@ def new_dflash_config(target: Target, layers: int, block_size: int, target_layer
 
 
 def evenly_spaced_layers(n_target_layers: int, n: int) -> list[int]:
-    """n target layers from the second to the third-last, evenly spaced (DFlash's choice)."""
+    """Up to n distinct target layers from the second to the third-last, evenly spaced (DFlash's
+    choice); shallow test targets get fewer layers rather than out-of-range ids."""
     if n == 1:
         return [n_target_layers // 2]
-    first, last = 1, n_target_layers - 3
-    return [round(first + i * (last - first) / (n - 1)) for i in range(n)]
+    first = min(1, n_target_layers - 1)
+    last = max(first, n_target_layers - 3)
+    return sorted({round(first + i * (last - first) / (n - 1)) for i in range(n)})
 
 
 def load_dflash(target: Target, checkpoint: str | None, top_k: int = 8, block_size: int | None = None) -> DFlashDrafter:

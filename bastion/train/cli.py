@@ -14,7 +14,7 @@ from bastion.drafters.dflash import DFlashDrafter, evenly_spaced_layers, new_dfl
 from bastion.drafters.flexdraft import FlexDraftDrafter
 from bastion.train.data import build_selfdistill, training_prompts
 from bastion.train.dflash import most_frequent_tokens, train_dflash
-from bastion.train.examples import to_examples
+from bastion.train.examples import split_examples, to_examples
 from bastion.train.flexdraft import train_flexdraft
 from bastion.train.loop import write_log
 
@@ -34,7 +34,7 @@ def train(cfg: DictConfig) -> None:
     target = build(cfg.target, name=cfg.target.name)
     target.model.requires_grad_(False)
     layers = tuple(evenly_spaced_layers(target.args.n_layers, cfg.data.n_feature_layers))
-    examples = to_examples(self_distillation(cfg, target, layers))
+    examples, val_examples = split_examples(to_examples(self_distillation(cfg, target, layers)), cfg.data.val_fraction)
     recipe, state = cfg.recipe, Path(cfg.recipe.work_dir) / "train_state.pt"
     optim = OmegaConf.to_container(recipe.optim)
     if cfg.drafter.name == "dflash":
@@ -44,11 +44,11 @@ def train(cfg: DictConfig) -> None:
             vocab, coverage = most_frequent_tokens(examples, recipe.draft_vocab, target.args.vocab_size)
             drafter.set_draft_vocab(vocab)
             print(f"draft vocabulary: {len(vocab)} tokens cover {coverage:.2%} of the answer tokens")
-        log = train_dflash(drafter, examples, state, **optim, seed=cfg.seed)
+        log = train_dflash(drafter, examples, state, **optim, seed=cfg.seed, val_examples=val_examples)
     else:
         drafter = FlexDraftDrafter(target, recipe.tuned_layers, recipe.group_size, recipe.calibration_hidden,
                                    mask_token_id=mask_token(cfg, target)).to(target.device)
-        log = train_flexdraft(drafter, examples, state, **optim, seed=cfg.seed)
+        log = train_flexdraft(drafter, examples, state, **optim, seed=cfg.seed, val_examples=val_examples)
     out = Path(recipe.output_dir) if Path(recipe.output_dir).is_absolute() else PROJECT_ROOT / recipe.output_dir
     drafter.save(out, getattr(torch, recipe.save_dtype))
     (out / "train_config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from bastion.drafters.dflash import DFlashDrafter
-from bastion.train.examples import Example, sample_anchors
+from bastion.train.examples import Example, fixed_batches, sample_anchors
 from bastion.train.loop import train_loop
 
 
@@ -63,11 +63,14 @@ def most_frequent_tokens(examples: list[Example], n: int, vocab_size: int) -> tu
 
 
 def train_dflash(drafter: DFlashDrafter, examples: list[Example], state_path: Path, steps: int, lr: float = 6e-4,
-                 seqs_per_step: int = 4, anchors: int = 32, gamma: float = 4.0, **loop) -> list[dict]:
+                 seqs_per_step: int = 4, anchors: int = 32, gamma: float = 4.0, val_examples: list[Example] = (),
+                 **loop) -> list[dict]:
     """Optimise the drafter's own weights (the target's embeddings and head stay frozen)."""
     return train_loop(
         drafter, [{"params": [p for p in drafter.parameters() if p.requires_grad], "lr": lr}],
         lambda gen: sample_batch(examples, seqs_per_step, anchors, gen),
         lambda batch: block_loss(drafter, batch, gamma),
-        state_path, steps, desc="train dflash", **loop,
+        state_path, steps, desc="train dflash",
+        val_batches=fixed_batches(lambda gen: sample_batch(val_examples, seqs_per_step, anchors, gen)) if val_examples else None,
+        **loop,
     )

@@ -44,3 +44,17 @@ def sample_anchors(examples: list[Example], n_seqs: int, n_anchors: int, gen: to
         anchors[b, len(chosen) :] = e.answer_start
         anchor_ok[b, : len(chosen)] = True
     return picks, tokens, anchors, anchor_ok, torch.tensor([len(e.tokens) for e in picks])
+
+
+def split_examples(examples: list[Example], val_fraction: float) -> tuple[list[Example], list[Example]]:
+    """Every round(1 / val_fraction)-th example held out for validation (none when 0)."""
+    if not val_fraction:
+        return examples, []
+    every = max(2, round(1 / val_fraction))
+    return [e for i, e in enumerate(examples) if i % every], examples[::every]
+
+
+def fixed_batches(sample, n: int = 8, seed: int = 1234) -> list:
+    """n batches drawn once with a fixed seed: the same validation data at every evaluation."""
+    gen = torch.Generator().manual_seed(seed)
+    return [sample(gen) for _ in range(n)]

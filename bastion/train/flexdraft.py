@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from bastion.drafters.flexdraft import FlexDraftDrafter
-from bastion.train.examples import Example, sample_anchors
+from bastion.train.examples import Example, fixed_batches, sample_anchors
 from bastion.train.loop import train_loop
 
 
@@ -58,7 +58,8 @@ def group_loss(drafter: FlexDraftDrafter, batch, gamma: float):
 
 
 def train_flexdraft(drafter: FlexDraftDrafter, examples: list[Example], state_path: Path, steps: int, lr: float = 1e-3,
-                    lr_tuned: float = 1e-4, seqs_per_step: int = 1, anchors: int = 32, gamma: float = 4.0, **loop) -> list[dict]:
+                    lr_tuned: float = 1e-4, seqs_per_step: int = 1, anchors: int = 32, gamma: float = 4.0,
+                    val_examples: list[Example] = (), **loop) -> list[dict]:
     """Optimise the tuned attention (at lr_tuned, it starts as the target's own) and the mask
     embedding and calibration MLP (at lr)."""
     groups = [{"params": list(drafter.tuned.parameters()), "lr": lr_tuned},
@@ -67,5 +68,7 @@ def train_flexdraft(drafter: FlexDraftDrafter, examples: list[Example], state_pa
         drafter, groups,
         lambda gen: sample_anchors(examples, seqs_per_step, anchors, gen),
         lambda batch: group_loss(drafter, batch, gamma),
-        state_path, steps, desc="train flexdraft", **loop,
+        state_path, steps, desc="train flexdraft",
+        val_batches=fixed_batches(lambda gen: sample_anchors(val_examples, seqs_per_step, anchors, gen)) if val_examples else None,
+        **loop,
     )
