@@ -20,7 +20,7 @@ demo: install
 	$(PY) run.py experiment=demo
 
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2
 
 test-fast: install
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -n 2 -m "not slow"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,9 @@ from omegaconf import OmegaConf
 from bastion.models.target import load_target
 
 ROOT = Path(__file__).resolve().parents[1]
-torch.set_num_threads(2)
+# `make test` runs two pytest-xdist workers on the 2-core machine: one thread each, since most
+# tests are bound by Python, not by matrix multiplies.
+torch.set_num_threads(1 if "PYTEST_XDIST_WORKER" in os.environ else 2)
 
 
 def target_config(name: str, **overrides) -> dict:

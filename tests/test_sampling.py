@@ -103,15 +103,20 @@ def sample_counts(target, sampling, method=None) -> dict[tuple[int, ...], int]:
 
 
 def chi_square_p_value(counts, joint) -> float:
-    """Pearson's test over the CATEGORIES - 1 likeliest sequences plus the pooled rest."""
+    """Pearson's test over the CATEGORIES - 1 likeliest sequences plus the pooled rest; a
+    sequence of probability zero (cut by top-k / top-p) that was sampled at all fails outright."""
+    if any(counts.get(seq, 0) > 0 for seq, p in joint.items() if p == 0):
+        return 0.0
     n = sum(counts.values())
-    top = sorted(joint, key=joint.get, reverse=True)[: CATEGORIES - 1]
+    support = [seq for seq in sorted(joint, key=joint.get, reverse=True) if joint[seq] > 0]
+    top = support[: CATEGORIES - 1]
     observed = [counts.get(seq, 0) for seq in top]
     expected = [n * joint[seq] for seq in top]
-    observed.append(n - sum(observed))
-    expected.append(n - sum(expected))
+    if len(support) > len(top):
+        observed.append(n - sum(observed))
+        expected.append(n - sum(expected))
     stat = sum((o - e) ** 2 / e for o, e in zip(observed, expected))
-    return chi_square_tail(stat, CATEGORIES - 1)
+    return chi_square_tail(stat, len(observed) - 1)
 
 
 def chi_square_tail(stat: float, dof: int) -> float:

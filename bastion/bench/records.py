@@ -20,6 +20,17 @@ def read_records(path: Path) -> list[dict]:
     return records
 
 
+def drop_cut_line(path: Path) -> None:
+    """Truncate a last line cut short by a kill, so records appended next start on a line of
+    their own instead of merging with it (and both being lost)."""
+    if not path.exists():
+        return
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        with open(path, "r+b") as f:
+            f.truncate(data.rfind(b"\n") + 1)
+
+
 def run_records(run_dir: Path) -> list[dict]:
     """All records of a run dir: results.jsonl, or torchrun's results.rankN.jsonl shards."""
     return [r for path in sorted(Path(run_dir).glob("results*.jsonl")) for r in read_records(path)]

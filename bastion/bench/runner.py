@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from bastion.bench.datasets import Prompt, chat_tokens
 from bastion.bench.metrics import summarize
-from bastion.bench.records import read_records, run_records
+from bastion.bench.records import drop_cut_line, read_records, run_records
 from bastion.engine import generate
 from bastion.models.target import Target
 from bastion.sampling import GREEDY, Sampling
@@ -62,6 +62,7 @@ def run_methods(
         first = chat_tokens(target.tokenizer, [{"role": "user", "content": prompts[0].turns[0]}])
         for method in methods:
             method.generate(target, [first], min(8, max_new_tokens), sampling, seed, stop)
+    drop_cut_line(results)
     with open(results, "a") as sink:
         for method in methods:
             todo = [p for p in prompts if (method.name, bench, p.id) not in done]
