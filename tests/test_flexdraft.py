@@ -115,13 +115,13 @@ def test_checkpoint_roundtrip_and_mismatch(tiny_qwen3, tmp_path):
 
 def test_flex_mode_stops_drafting_when_it_cannot_pay(tiny_llama):
     """Verifying 8 tokens costs 8x one token here: no acceptance rate pays for drafting, so flex
-    decodes AR steps, trying a draft again every few steps, and stays lossless."""
+    decodes AR steps, trying a draft again after 8 AR steps, then 16, and stays lossless."""
     prompts = random_prompts(3, seed=8)
-    expected = ar_outputs(tiny_llama, prompts, 24)
+    expected = ar_outputs(tiny_llama, prompts, 40)
     drafter = random_flexdraft(tiny_llama, mode="flex")
     drafter.latency = synthetic_latency(tiny_llama, parallel_cheaper=False)
-    d = generate(tiny_llama, prompts, drafter=drafter, policy=chain, budget=FixedBudget(3), max_new_tokens=24)
+    d = generate(tiny_llama, prompts, drafter=drafter, policy=chain, budget=FixedBudget(3), max_new_tokens=40)
     for p, exp, gen in zip(prompts, expected, d.generations):
         assert_same_tokens(tiny_llama, p, exp, gen.tokens, "flex off")
-    sizes = [max(s.tree_sizes) for s in d.steps]
-    assert sizes[0] == 0 and sizes.count(0) >= 0.75 * len(sizes) and max(sizes) > 0  # off, with retries
+    drafted = [i for i, s in enumerate(d.steps) if max(s.tree_sizes) > 0]
+    assert drafted[:2] == [8, 25]  # AR steps 0-7, a retry, AR steps 9-24 (twice as long), a retry

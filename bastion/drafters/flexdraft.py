@@ -40,6 +40,7 @@ from bastion.tree.draft_tree import DraftTree
 
 MODES = ("sequential", "parallel", "flex")
 SELECTIONS = ("min_confidence", "cumulative_product")
+MIN_AR_STRETCH, MAX_AR_STRETCH = 8, 256  # flex mode: AR steps before drafting is tried again
 
 
 class FlexDraftDrafter(nn.Module):
@@ -77,6 +78,7 @@ class FlexDraftDrafter(nn.Module):
         self.tokens_per_step = 2.0  # flex mode: running mean of tokens a drafted step produced per row
         self._lengths: list[int] | None = None  # rows' sequence lengths when the last draft was made
         self._off = 0  # flex mode: AR steps left before drafting is tried again
+        self._off_next = MIN_AR_STRETCH  # flex mode: the next AR stretch, doubled by every failed retry
         self.drafting = True  # False while flex mode has drafting off (this step is an AR step)
 
     # ---- the forward shared by drafting, parallel verification and training -------------------
@@ -114,6 +116,7 @@ class FlexDraftDrafter(nn.Module):
 
     # ---- decoding -------------------------------------------------------------------------------
     def reset(self, batch_size: int, capacity: int) -> None:
+        # what flex mode has learned of this drafter (tokens_per_step, _off_next) carries over
         self._pending, self._lengths, self._off = {}, None, 0
 
     def keep_rows(self, rows: list[int]) -> None:
@@ -123,7 +126,9 @@ class FlexDraftDrafter(nn.Module):
 
     def drafting_pays(self, ctx: DraftContext) -> bool:
         """Flex mode: do the measured tokens per step beat AR at this batch in either mode?
-        When not, the next few steps are AR steps; then drafting is tried (and measured) again."""
+        When not, the next few steps are AR steps; then drafting is tried (and measured) again.
+        Each retry that still does not pay doubles the AR stretch (8, 16, ... 256 steps), so a
+        drafter that never pays costs a vanishing share of steps instead of one in nine."""
         if self._lengths is not None:  # learn from what the last drafted step produced
             produced = np.mean([len(s) - n for s, n in zip(ctx.sequences, self._lengths)])
             self.tokens_per_step += 0.3 * (produced - self.tokens_per_step)
@@ -133,8 +138,10 @@ class FlexDraftDrafter(nn.Module):
             if self._off:
                 return False
         elif not self._pays(ctx):  # (the step the countdown ends drafts anyway: a fresh measurement)
-            self._off = 8
+            self._off, self._off_next = self._off_next, min(2 * self._off_next, MAX_AR_STRETCH)
             return False
+        else:
+            self._off_next = MIN_AR_STRETCH
         self._lengths = [len(s) for s in ctx.sequences]
         return True
 
