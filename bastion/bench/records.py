@@ -23,12 +23,13 @@ def read_records(path: Path) -> list[dict]:
 def drop_cut_line(path: Path) -> None:
     """Truncate a last line cut short by a kill, so records appended next start on a line of
     their own instead of merging with it (and both being lost)."""
-    if not path.exists():
+    if not path.exists() or path.stat().st_size == 0:
         return
-    data = path.read_bytes()
-    if data and not data.endswith(b"\n"):
-        with open(path, "r+b") as f:
-            f.truncate(data.rfind(b"\n") + 1)
+    with open(path, "r+b") as f:
+        f.seek(-1, 2)
+        if f.read(1) != b"\n":  # only then read the file, to find the last complete line
+            f.seek(0)
+            f.truncate(f.read().rfind(b"\n") + 1)
 
 
 def run_records(run_dir: Path) -> list[dict]:

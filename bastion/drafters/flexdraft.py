@@ -149,8 +149,8 @@ class FlexDraftDrafter(nn.Module):
         ctx_len = np.asarray(ctx.cache.lengths)[None, :]
         rows = np.ones_like(ctx_len)
         step = lambda n: float(self.latency.predict(rows * n, ctx_len)[0])  # noqa: E731
-        width, G = self.group_size, self.group_size  # a chain of G - 1 drafts under its root
-        best = min(step(width) + step(G), step(width + 2 * G))  # sequential, or parallel with ~2 groups kept
+        G = self.group_size  # a drafted tree is a chain of G - 1 drafts under its root: G tokens, like a group
+        best = min(2 * step(G), step(3 * G))  # sequential (tree, then a group), or parallel with ~2 groups kept
         return self.tokens_per_step * step(1) >= best
 
     def extra_tokens(self, max_nodes: int) -> int:

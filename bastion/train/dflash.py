@@ -28,9 +28,10 @@ def sample_batch(examples: list[Example], n_seqs: int, n_anchors: int, gen: torc
     return tokens, features, anchors, anchor_ok, lengths
 
 
-def block_loss(drafter: DFlashDrafter, batch, gamma: float):
+def block_loss(drafter: DFlashDrafter, batch, gamma: float, to_draft: torch.Tensor | None = None):
     """Weighted cross-entropy over block positions 1..K-1 (over the draft vocabulary when the
-    drafter has one: labels outside it carry no loss); also per-position hits and counts."""
+    drafter has one: `to_draft` maps target ids to draft ids, -1 outside it, and those labels
+    carry no loss); also per-position hits and counts."""
     tokens, features, anchors, anchor_ok, lengths = batch
     B, S = tokens.shape
     K = drafter.block_size
@@ -39,9 +40,7 @@ def block_loss(drafter: DFlashDrafter, batch, gamma: float):
     label_pos = anchors[:, :, None] + torch.arange(1, K)  # [B, M, K-1]
     valid = anchor_ok[:, :, None] & (label_pos < lengths[:, None, None])
     labels = tokens.gather(1, label_pos.clamp(max=S - 1).flatten(1)).view_as(label_pos)
-    if drafter.draft_vocab is not None:
-        to_draft = torch.full((drafter.target.args.vocab_size,), -1, dtype=torch.long)
-        to_draft[drafter.draft_vocab] = torch.arange(len(drafter.draft_vocab))
+    if to_draft is not None:
         labels = to_draft[labels]
     scored = valid & (labels >= 0)
     labels = labels.clamp(min=0)
@@ -66,10 +65,14 @@ def train_dflash(drafter: DFlashDrafter, examples: list[Example], state_path: Pa
                  seqs_per_step: int = 4, anchors: int = 32, gamma: float = 4.0, val_examples: list[Example] = (),
                  **loop) -> list[dict]:
     """Optimise the drafter's own weights (the target's embeddings and head stay frozen)."""
+    to_draft = None
+    if drafter.draft_vocab is not None:  # built once, not per step
+        to_draft = torch.full((drafter.target.args.vocab_size,), -1, dtype=torch.long)
+        to_draft[drafter.draft_vocab] = torch.arange(len(drafter.draft_vocab))
     return train_loop(
         drafter, [{"params": [p for p in drafter.parameters() if p.requires_grad], "lr": lr}],
         lambda gen: sample_batch(examples, seqs_per_step, anchors, gen),
-        lambda batch: block_loss(drafter, batch, gamma),
+        lambda batch: block_loss(drafter, batch, gamma, to_draft),
         state_path, steps, desc="train dflash",
         val_batches=fixed_batches(lambda gen: sample_batch(val_examples, seqs_per_step, anchors, gen)) if val_examples else None,
         **loop,
