@@ -13,6 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 from bastion.bench.runner import Method
 from bastion.budget.fixed import FixedBudget
 from bastion.budget.hardware import HardwareProfile, profile_from_config
+from bastion.models.packed_linear import prepack_linears
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
@@ -31,6 +32,18 @@ def build(node: DictConfig | None, **kwargs):
     if spec.pop("_partial_", False):
         return partial(factory, **spec, **kwargs)
     return factory(**spec, **kwargs)
+
+
+def build_target(cfg: DictConfig):
+    """The run's target, its linear weights prepacked for CPU inference when `packed_weights`
+    is on (see models/packed_linear.py; a no-op on GPU)."""
+    return packed(cfg, build(cfg.target, name=cfg.target.name))
+
+
+def packed(cfg: DictConfig, target_or_drafter):
+    if cfg.get("packed_weights") and target_or_drafter is not None:
+        prepack_linears(getattr(target_or_drafter, "model", target_or_drafter))
+    return target_or_drafter
 
 
 def resolve_device(device: str) -> str:
@@ -58,7 +71,7 @@ def build_methods(cfg: DictConfig, target) -> list[Method]:
             continue
         key = json.dumps(OmegaConf.to_container(node.drafter, resolve=True), sort_keys=True)
         if key not in drafters:
-            drafters[key] = build(node.drafter, target=target)
+            drafters[key] = packed(cfg, build(node.drafter, target=target))
         policy = build(node.tree)
         if node.budget.name == "oracle":
             budgets = [(f"fixed{n}", FixedBudget(n)) for n in node.budget.sweep]

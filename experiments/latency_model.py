@@ -19,7 +19,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from bastion.budget.latency import calibrated, probe
-from bastion.compose import build, hardware, resolve_device
+from bastion.compose import build, build_target, hardware, resolve_device
 
 ROOT = Path(__file__).resolve().parents[1]
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
@@ -30,7 +30,7 @@ def main(overrides: list[str]) -> None:
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
         cfg = compose("config", overrides=overrides)
     cfg.device = resolve_device(cfg.device)
-    target = build(cfg.target, name=cfg.target.name)
+    target = build_target(cfg)
     with tempfile.TemporaryDirectory() as fresh:  # a fresh probe, not a cached one
         model = calibrated(target, hardware(cfg), Path(fresh))
     theta = model.theta

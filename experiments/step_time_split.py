@@ -17,7 +17,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from bastion.bench.datasets import chat_tokens, load_prompts
-from bastion.compose import build, resolve_device
+from bastion.compose import build, build_target, packed, resolve_device
 from bastion.engine import generate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,8 +35,8 @@ def main(argv: list[str]) -> None:
         cfg = compose("config", overrides=["drafter.block_size=16", "drafter.top_k=8", "bench.limit=4", *overrides])
     cfg.device = resolve_device(cfg.device)
     torch.set_num_threads(cfg.threads or torch.get_num_threads())
-    target = build(cfg.target, name=cfg.target.name)
-    drafter, policy = build(cfg.drafter, target=target), build(cfg.tree)
+    target = build_target(cfg)
+    drafter, policy = packed(cfg, build(cfg.drafter, target=target)), build(cfg.tree)
     prompts = [chat_tokens(target.tokenizer, [{"role": "user", "content": p.turns[0]}]) for p in load_prompts(cfg.bench.name, cfg.bench.limit)]
     generate(target, prompts[:1], max_new_tokens=8)  # warm-up
     print(f"{target.name}, {cfg.drafter.name} + {cfg.tree.name}, {len(prompts)} prompts x {cfg.decode.max_new_tokens} tokens, {torch.get_num_threads()} threads")

@@ -21,7 +21,7 @@ from omegaconf import OmegaConf
 from bastion.bench.datasets import chat_tokens, load_prompts
 from bastion.budget.controller import BastionBudget
 from bastion.budget.hardware import profile_from_config
-from bastion.compose import build, resolve_device
+from bastion.compose import build, build_target, packed, resolve_device
 from bastion.engine import generate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,8 +55,8 @@ def main(overrides: list[str]) -> None:
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
         cfg = compose("config", overrides=["drafter=dflash", "tree=best_first", "budget=bastion", *overrides])
     cfg.device = resolve_device(cfg.device)
-    target = build(cfg.target, name=cfg.target.name)
-    drafter, policy = build(cfg.drafter, target=target), build(cfg.tree)
+    target = build_target(cfg)
+    drafter, policy = packed(cfg, build(cfg.drafter, target=target)), build(cfg.tree)
     h100, cpu = (profile_from_config(OmegaConf.to_container(OmegaConf.load(ROOT / f"conf/gpu/{g}.yaml")), cfg.device, [])
                  for g in ("h100", "cpu"))
     live = BastionBudget(calibrate=False)

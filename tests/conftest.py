@@ -9,6 +9,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from bastion.models.packed_linear import prepack_linears
 from bastion.models.target import load_target
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,3 +40,11 @@ def tiny_llama():
 @pytest.fixture(scope="session")
 def smollm2():
     return load_target(**target_config("smollm2_135m"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_packed():
+    """SmolLM2 as run.py runs it on CPU: linear weights prepacked for oneDNN."""
+    target = load_target(**target_config("smollm2_135m"))
+    prepack_linears(target.model)
+    return target

@@ -14,6 +14,7 @@ from bastion.drafters.dflash import load_dflash
 from bastion.drafters.flexdraft import load_flexdraft
 from bastion.drafters.ngram import NgramDrafter
 from bastion.engine import generate
+from bastion.models.packed_linear import prepack_linears
 from bastion.tree.best_first import best_first
 from bastion.tree.chain import chain
 from bastion.tree.static import static
@@ -74,36 +75,38 @@ SMOL_QUESTIONS = ["What is 2+3?", "Say hello.", "What is the capital of France?"
 
 
 @pytest.fixture(scope="module")
-def smol_case(smollm2):
-    """8 chat prompts and SmolLM2's AR answers (32 tokens): some stop on EOS, some on length."""
+def smol_case(smollm2_packed):
+    """8 chat prompts and SmolLM2's AR answers (32 tokens; packed weights, as run.py decodes on
+    CPU): some stop on EOS, some on length."""
     max_new = 32
     texts = SMOL_QUESTIONS + [p.turns[0] for p in load_prompts("gsm8k", limit=3)] + [p.turns[0] for p in load_prompts("mt_bench", limit=2)]
-    prompts = [chat_tokens(smollm2.tokenizer, [{"role": "user", "content": t}]) for t in texts]
-    expected = ar_outputs(smollm2, prompts, max_new)
-    finishes = {("eos" if out[-1] in smollm2.eos_ids else "length") for out in expected}
+    prompts = [chat_tokens(smollm2_packed.tokenizer, [{"role": "user", "content": t}]) for t in texts]
+    expected = ar_outputs(smollm2_packed, prompts, max_new)
+    finishes = {("eos" if out[-1] in smollm2_packed.eos_ids else "length") for out in expected}
     assert finishes == {"eos", "length"}
     return prompts, expected, max_new
 
 
 @pytest.mark.slow
-def test_smollm2_lossless(smollm2, smol_case):
+def test_smollm2_lossless(smollm2_packed, smol_case):
     prompts, expected, max_new = smol_case
     oracle = OracleDrafter(dict(zip(map(tuple, prompts), expected)), vocab=49152, block_size=8, top_k=4)
     for policy in POLICIES:
         for budget in BUDGETS:
-            check(smollm2, prompts, expected, oracle, policy, budget, max_new, "smollm2 oracle")
-    check(smollm2, prompts, expected, NgramDrafter(), "best_first", 8, max_new, "smollm2 ngram")
+            check(smollm2_packed, prompts, expected, oracle, policy, budget, max_new, "smollm2 oracle")
+    check(smollm2_packed, prompts, expected, NgramDrafter(), "best_first", 8, max_new, "smollm2 ngram")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["dflash", "flexdraft"])
-def test_smollm2_lossless_with_the_committed_drafters(smollm2, smol_case, kind):
+def test_smollm2_lossless_with_the_committed_drafters(smollm2_packed, smol_case, kind):
     """The drafters trained by train.py and committed under checkpoints/ (what the demo uses)."""
     prompts, expected, max_new = smol_case
     checkpoint = str(ROOT / "checkpoints" / f"{kind}_smollm2_135m")
-    drafter = load_dflash(smollm2, checkpoint, top_k=4) if kind == "dflash" else load_flexdraft(smollm2, checkpoint, top_k=4)
+    load = load_dflash if kind == "dflash" else load_flexdraft
+    drafter = prepack_linears(load(smollm2_packed, checkpoint, top_k=4))
     for policy, budget in [("chain", 8), ("best_first", 1), ("best_first", 8), ("best_first", 64)]:
-        check(smollm2, prompts, expected, drafter, policy, budget, max_new, f"smollm2 {kind}")
+        check(smollm2_packed, prompts, expected, drafter, policy, budget, max_new, f"smollm2 {kind}")
 
 
 @pytest.mark.parametrize("policy", ["chain", "best_first", "static"])

@@ -14,7 +14,7 @@ from bastion.bench import wandb_logger
 from bastion.bench.datasets import load_prompts
 from bastion.bench.metrics import with_oracle
 from bastion.bench.runner import run_methods, summarize_run
-from bastion.compose import build, build_methods, method_config, resolve_device
+from bastion.compose import build, build_methods, build_target, method_config, resolve_device
 from bastion.report import load, write_report
 from bastion.sampling import Sampling
 
@@ -45,7 +45,7 @@ def run(cfg: DictConfig) -> None:
     prompts = {n: load_prompts(n, b.get("limit"), b.get("data_dir"), b.get("shuffle", False), b.get("seed", 0), b.get("path"), b.get("field")) for n in names}
     if world > 1 and "hydra.run.dir" not in " ".join(HydraConfig.get().overrides.hydra):
         raise ValueError("Under torchrun every process must write to the same run dir: add hydra.run.dir=outputs/NAME.")
-    target = build(cfg.target, name=cfg.target.name)
+    target = build_target(cfg)
     methods = build_methods(cfg, target)
     shard = f".rank{rank}" if world > 1 else ""
     for name in names:  # under torchrun each process decodes every world-th prompt

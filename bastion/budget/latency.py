@@ -25,6 +25,7 @@ from scipy.optimize import least_squares
 
 from bastion.budget.hardware import HardwareProfile
 from bastion.models.transformer import ModelArgs
+from bastion.models.packed_linear import linear_kernels
 
 PROBE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
@@ -140,10 +141,11 @@ def probe(target, model: LatencyModel, sizes=PROBE_SIZES, context: int = 256, re
 
 
 def calibrated(target, hw: HardwareProfile, cache_dir: Path, use_cache: bool = True) -> LatencyModel:
-    """The probe-fitted model for this device / model / dtype / attention backend, cached."""
+    """The probe-fitted model for this device / model / dtype / linear kernels / attention
+    backend, cached."""
     model = LatencyModel.from_profile(target.args, target.dtype, hw)
     device = torch.cuda.get_device_name(target.device) if target.device.type == "cuda" else "cpu"
-    key = f"{device}__{target.name}__{str(target.dtype).removeprefix('torch.')}__sdpa".replace(" ", "_").replace("/", "_")
+    key = f"{device}__{target.name}__{str(target.dtype).removeprefix('torch.')}__{linear_kernels(target.model)}__sdpa".replace(" ", "_").replace("/", "_")
     path = Path(cache_dir) / "latency" / f"{key}.json"
     if use_cache and path.exists():
         saved = json.loads(path.read_text())

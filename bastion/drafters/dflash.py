@@ -25,6 +25,7 @@ from transformers import AutoConfig
 from bastion.drafters.base import BlockProposal, DraftContext, top_candidates
 from bastion.drafters.checkpoint import read_checkpoint, save_checkpoint
 from bastion.models.kv_cache import KVCache
+from bastion.models.packed_linear import PackedLinear, linear, pack_weight
 from bastion.models.target import Target
 from bastion.models.transformer import Block, ModelArgs, RMSNorm, Rotary
 
@@ -55,6 +56,7 @@ class DFlashDrafter(nn.Module):
         self.target = target  # a plain dataclass: its weights are shared, not registered here
         self.cache: KVCache | None = None
         self._head: torch.Tensor | None = None  # the LM head rows of the draft vocabulary, gathered once
+        self._head_packed: torch.Tensor | None = None  # and packed for oneDNN when the target's head is
 
     # ---- decoding ---------------------------------------------------------------------------
     def reset(self, batch_size: int, capacity: int) -> None:
@@ -92,14 +94,15 @@ class DFlashDrafter(nn.Module):
             return weight
         if self._head is None or self._head.device != weight.device or self._head.dtype != weight.dtype:
             self._head = weight[self.draft_vocab].detach()
+            self._head_packed = pack_weight(self._head) if isinstance(self.target.model.lm_head, PackedLinear) else None
         return self._head
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., h] -> full-vocabulary logits [..., V]; tokens outside the draft vocabulary get -inf."""
-        logits = torch.nn.functional.linear(hidden, self.head_weight())
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         if self.draft_vocab is None:
-            return logits
+            return self.target.logits(hidden)
+        logits = linear(hidden, self.head_weight(), self._head_packed)
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         full = logits.new_full((*logits.shape[:-1], self.target.args.vocab_size), -torch.inf)
         return full.index_copy_(-1, self.draft_vocab, logits)
 

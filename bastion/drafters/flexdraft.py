@@ -108,7 +108,7 @@ class FlexDraftDrafter(nn.Module):
         """Group hidden states [..., G, h] and bonus tokens [...] -> draft logits [..., G-1, V]
         for the tokens after the bonus, calibrated by the bonus unless use_calibration is off."""
         drafts = hidden[..., 1:, :]
-        logits = F.linear(drafts, self.target.model.lm_head.weight)
+        logits = self.target.model.lm_head(drafts)
         if self.use_calibration:
             bonus_embed = self.target.model.embed_tokens(bonus)[..., None, :].expand_as(drafts)
             logits = logits + self.calibration(torch.cat([bonus_embed.to(drafts.dtype), drafts], dim=-1))

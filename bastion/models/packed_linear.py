@@ -1,0 +1,78 @@
+"""Linear layers with weights prepacked for oneDNN, for CPU inference.
+
+Why: on CPU, `F.linear` calls MKL's sgemm, which repacks the whole weight matrix on every call
+once the input has more than one row. Decoding streams every weight once per forward, so that
+repacking is paid per step: on a 2-core EPYC a 2-token forward of SmolLM2-135M cost 114 ms
+against 68 ms for one token. Packing once at load time (oneDNN's own blocked layout) makes
+the 2..16-token forwards a verifier runs 15-35% cheaper (2 tokens: 73 ms) and leaves the
+1-token forward of AR decoding as fast as before, so every method, AR included, runs the same
+kernels. GPU runs, float64 models and training (autograd) keep the plain path.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
+ROWS_HINT = 8  # the input row count oneDNN picks its packed layout for; any count runs
+
+
+class PackedLinear(nn.Linear):
+    """An nn.Linear (same parameters, same state dict) that also holds a oneDNN-packed copy
+    of its weight and uses it whenever autograd is off."""
+
+    def __init__(self, linear: nn.Linear):
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias  # shared, not copied
+        self.packed = pack_weight(linear.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.packed, self.bias)
+
+    def __deepcopy__(self, memo) -> nn.Linear:
+        """A copy is a plain, trainable nn.Linear: packing is an inference detail, and oneDNN's
+        opaque tensors cannot be copied (FlexDraft deep-copies target attention layers)."""
+        copy = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
+        copy.weight = nn.Parameter(self.weight.detach().clone(), self.weight.requires_grad)
+        if self.bias is not None:
+            copy.bias = nn.Parameter(self.bias.detach().clone(), self.bias.requires_grad)
+        return copy
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """weight [out, in] -> oneDNN's packed copy of it (an opaque tensor)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), ROWS_HINT)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias), on `packed` (pack_weight(weight)) when there is one and
+    autograd is off."""
+    if packed is None or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
+        return F.linear(x, weight, bias)
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def can_pack(module: nn.Module) -> bool:
+    weight = next(module.parameters(), None)
+    return (weight is not None and weight.device.type == "cpu" and weight.dtype in PACKABLE_DTYPES
+            and torch.backends.mkldnn.is_available())
+
+
+def prepack_linears(module: nn.Module) -> nn.Module:
+    """Swap every nn.Linear inside `module` for a PackedLinear sharing its parameters (on CPU,
+    for float32/bfloat16; otherwise nothing changes). Tied weights stay tied. Returns `module`."""
+    if not can_pack(module):
+        return module
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear:
+                setattr(parent, name, PackedLinear(child))
+    return module
+
+
+def linear_kernels(module: nn.Module) -> str:
+    """'packed' when `module` runs prepacked linears, else 'dense' (part of latency cache keys)."""
+    return "packed" if any(isinstance(m, PackedLinear) for m in module.modules()) else "dense"
