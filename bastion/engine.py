@@ -161,7 +161,11 @@ def generate(
     while active:
         t0 = _now(device)
         roots = [seq[-1] for seq in ctx.sequences]
-        proposal = drafter.propose(ctx) if drafter is not None else None
+        proposal = None
+        if drafter is not None and budget.drafts():
+            proposal = drafter.propose(ctx)
+        elif drafter is not None:  # the budget chose an AR step; the drafter still reads the new tokens
+            drafter.absorb(ctx)
         t1 = _now(device)
         contexts = list(cache.lengths)
         trees = budget.size(policy(proposal, max_nodes), contexts) if proposal is not None else [DraftTree.root_only(r) for r in roots]
@@ -171,7 +175,7 @@ def generate(
             trees = [sample_children(tree, draft_probs[b], generator) for b, tree in enumerate(trees)]
         tree_tokens, tree_depths, tree_mask = pack(trees, device)
         t2 = _now(device)
-        parallel = rides_along and drafter.parallel(trees, contexts)
+        parallel = proposal is not None and rides_along and drafter.parallel(trees, contexts)
         if parallel:
             hidden, features = drafter.verify_forward(cache, trees, tree_tokens, tree_depths, tree_mask), None
         else:
@@ -194,20 +198,20 @@ def generate(
         keep = _extend_outputs(decoding, active, [v.tokens for v in verdicts], stopper, step=True)
         step_rows, active = active, _keep_rows(keep, active, cache, drafter, ctx)
         t4 = _now(device)
-        decoding.steps.append(
-            Step(
-                rows=step_rows,
-                tree_sizes=[t.n_nodes for t in trees],
-                produced=[len(v.tokens) for v in verdicts],
-                expected=[t.expected_accepted() for t in trees],
-                draft_s=t1 - t0,
-                verify_s=t3 - t2,
-                other_s=(t2 - t1) + (t4 - t3),
-                predicted_verify_s=budget.predicted_s if proposal is not None else None,
-            )
+        step = Step(
+            rows=step_rows,
+            tree_sizes=[t.n_nodes for t in trees],
+            produced=[len(v.tokens) for v in verdicts],
+            expected=[t.expected_accepted() for t in trees],
+            draft_s=t1 - t0,
+            verify_s=t3 - t2,
+            other_s=(t2 - t1) + (t4 - t3),
+            predicted_verify_s=budget.predicted_s if proposal is not None else None,
         )
         if proposal is not None:  # what ran: the trees, plus the mask groups of parallel drafting
-            budget.observe(decoding.steps[-1], contexts, drafter.forward_width if parallel else tree_tokens.shape[1])
+            budget.observe(step, contexts, drafter.forward_width if parallel else tree_tokens.shape[1])
+            step.other_s += _now(device) - t4  # the controller's own refits are part of the step
+        decoding.steps.append(step)
     if record:
         for gen, prompt, parts in zip(decoding.generations, prompts, recorded):
             gen.features = torch.cat(parts)[: len(prompt) + len(gen.tokens) - 1]

@@ -30,6 +30,9 @@ class OracleDrafter:
     def keep_rows(self, rows):
         pass
 
+    def absorb(self, ctx):
+        pass
+
     def _truth(self, seq: list[int]) -> list[int]:
         for prompt, cont in self.continuations.items():
             n = len(prompt)

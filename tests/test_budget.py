@@ -85,6 +85,11 @@ def test_bigger_trees_when_verifying_is_cheap():
     assert steep.size([tree], [100])[0].n_nodes < 20
 
 
+def measured(verify_s, accepted=0.0, a_hat=0.0, draft_s=0.0):
+    """A one-row Step as the engine reports it."""
+    return SimpleNamespace(draft_s=draft_s, other_s=0.0, verify_s=verify_s, produced=[1 + accepted], expected=[a_hat])
+
+
 def test_wrong_profile_corrects_itself_online():
     """Started with the H100 prior on a (simulated) CPU, the chosen size approaches the one the
     true latency gives, from measured verify times alone."""
@@ -97,9 +102,38 @@ def test_wrong_profile_corrects_itself_online():
         n = wrong.size([tree], [300])[0].n_nodes
         chosen.append(n)
         seconds = float(truth.predict(np.array([n + 1]), np.array([300])))
-        wrong.observe(SimpleNamespace(draft_s=0.0, other_s=0.0, verify_s=seconds), [300], n + 1)
+        wrong.observe(measured(seconds), [300], n + 1)
     assert all(abs(n - right) <= 0.2 * right for n in chosen[-5:]), (right, chosen)
     assert chosen[0] > 2 * right  # it did start far off
+
+
+def test_an_overconfident_drafter_gets_smaller_trees():
+    """Accepted tokens at 30% of A_hat (MT-Bench's measured ratio): the controller learns the
+    ratio and sizes trees by it."""
+    truth = synthetic_truth(TRUE_CPU)
+    tree = chain(256, 0.93)
+    budget = controller(TRUE_CPU)
+    trusting = budget.size([tree], [300])[0].n_nodes
+    for _ in range(60):
+        sized = budget.size([tree], [300])[0]
+        seconds = float(truth.predict(np.array([sized.n_nodes + 1]), np.array([300])))
+        budget.observe(measured(seconds, 0.3 * sized.expected_accepted(), sized.expected_accepted()), [300], sized.n_nodes + 1)
+    assert budget.acceptance_ratio == pytest.approx(0.3, abs=0.03)
+    assert budget.size([tree], [300])[0].n_nodes < trusting
+    assert controller(TRUE_CPU).size([tree], [300])[0].n_nodes == trusting  # the uncalibrated choice
+
+
+def test_drafting_stops_while_no_tree_beats_ar_and_is_retried():
+    budget = controller(TRUE_CPU)
+    budget.draft_s = 0.03  # drafting costs ~half an AR step
+    weak, strong = chain(8, 0.05), chain(8, 0.99)
+    assert budget.drafts()
+    budget.size([weak], [300])  # no size beats AR: an AR stretch of 8 steps follows
+    assert [budget.drafts() for _ in range(8)] == [False] * 7 + [True]  # the last one retries
+    budget.size([weak], [300])  # the retry fails too: the next stretch is twice as long
+    assert [budget.drafts() for _ in range(16)] == [False] * 15 + [True]
+    budget.size([strong], [300])  # pays: drafting stays on, and the next stretch is short again
+    assert budget.drafts() and budget.stretch.next == 8
 
 
 def test_profiles_and_bad_budgets():

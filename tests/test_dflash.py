@@ -50,6 +50,23 @@ def test_decoding_path_equals_training_path(tiny_qwen3):
         done = a
 
 
+def test_absorbed_context_counts_like_drafted_context(tiny_qwen3):
+    """Steps the budget makes AR steps hand their tokens over through absorb(): the next draft
+    equals the training path's, as if every step had drafted."""
+    drafter = random_drafter(tiny_qwen3)
+    tokens = list(range(300, 340))
+    feats = target_features(tiny_qwen3, tokens, drafter.feature_layers)
+    with torch.no_grad():
+        hidden = drafter.block_hidden(feats, torch.tensor([tokens]), torch.tensor([[31]]))
+        expected = torch.log_softmax(tiny_qwen3.logits(hidden[:, :, 1:]), -1)
+    drafter.reset(1, 64)
+    drafter.propose(DraftContext([tokens[:13]], feats[:, 0:12], [12]))
+    for start, end in [(12, 13), (13, 20), (20, 21)]:
+        drafter.absorb(DraftContext([tokens[: end + 1]], feats[:, start:end], [end - start]))
+    proposal = drafter.propose(DraftContext([tokens[:32]], feats[:, 21:31], [10]))
+    torch.testing.assert_close(torch.log_softmax(proposal.logits[0], -1), expected[0, 0], rtol=1e-8, atol=1e-8)
+
+
 def test_checkpoint_roundtrip_in_released_format(tiny_qwen3, tmp_path):
     drafter = random_drafter(tiny_qwen3)
     drafter.save(tmp_path, torch.float64)

@@ -127,6 +127,25 @@ def test_batched_bastion_budget_lossless(tiny_qwen3, policy, tmp_path):
     assert any(len(set(s.tree_sizes)) > 1 for s in d.steps), "rows should get different budgets"
 
 
+def test_ar_stretches_of_the_bastion_budget_stay_lossless(tiny_llama, tmp_path):
+    """A weak (random) DFlash drafter on a target whose verification is expensive: the budget
+    turns drafting off for stretches, the drafter absorbs those steps' tokens, and the output
+    is still AR's."""
+    from bastion.budget.controller import BastionBudget
+    from bastion.budget.hardware import HardwareProfile
+    from tests.test_dflash import random_drafter
+
+    prompts = random_prompts(4, seed=9)
+    expected = ar_outputs(tiny_llama, prompts, 40)
+    budget = BastionBudget(max_nodes=16, calibrate=False)
+    budget.start(tiny_llama, HardwareProfile("cpu", {"float64": 1e-6}, 8.0, 1.0), tmp_path)
+    d = generate(tiny_llama, prompts, drafter=random_drafter(tiny_llama, block_size=6), policy=best_first, budget=budget, max_new_tokens=40)
+    for prompt, exp, gen in zip(prompts, expected, d.generations):
+        assert_same_tokens(tiny_llama, prompt, exp, gen.tokens, "bastion with AR stretches")
+    sizes = [max(s.tree_sizes) for s in d.steps]
+    assert 0 in sizes and max(sizes) > 0, sizes
+
+
 def test_stop_strings_end_every_method_at_the_same_token(tiny_llama):
     prompts = random_prompts(4, seed=5)
     full = ar_outputs(tiny_llama, prompts, 24)

@@ -79,6 +79,9 @@ class TableDrafter:
     def keep_rows(self, rows):
         pass
 
+    def absorb(self, ctx):
+        pass
+
     def propose(self, ctx: DraftContext) -> BlockProposal:
         rows = []
         for seq in ctx.sequences:

@@ -18,6 +18,10 @@ class FixedBudget:
     def start(self, target, hardware, cache_dir) -> None:
         """Nothing to calibrate."""
 
+    def drafts(self) -> bool:
+        """Every step drafts."""
+        return True
+
     def size(self, trees: list[DraftTree], contexts: list[int]) -> list[DraftTree]:
         return trees
 

@@ -65,6 +65,10 @@ class Drafter(Protocol):
     def propose(self, ctx: DraftContext) -> BlockProposal:
         """Draft the next block for every row."""
 
+    def absorb(self, ctx: DraftContext) -> None:
+        """A step without drafting (the budget chose AR): take in the newly verified tokens of
+        `ctx` so the next propose() sees the whole context."""
+
     def keep_rows(self, rows: list[int]) -> None:
         """Finished rows leave the batch; keep `rows`, in that order."""
 

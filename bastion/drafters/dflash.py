@@ -68,6 +68,10 @@ class DFlashDrafter(nn.Module):
         self.cache.keep_rows(rows)
 
     @torch.inference_mode()
+    def absorb(self, ctx: DraftContext) -> None:
+        self._append_context(ctx.features, ctx.n_features)
+
+    @torch.inference_mode()
     def propose(self, ctx: DraftContext) -> BlockProposal:
         self._append_context(ctx.features, ctx.n_features)
         roots = [seq[-1] for seq in ctx.sequences]

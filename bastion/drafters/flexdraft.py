@@ -31,6 +31,7 @@ from torch import nn
 
 from bastion.budget.hardware import measure
 from bastion.budget.latency import calibrated
+from bastion.budget.stretch import ARStretch
 from bastion.drafters.base import BlockProposal, DraftContext
 from bastion.drafters.checkpoint import read_checkpoint, save_checkpoint
 from bastion.models.kv_cache import KVCache
@@ -40,7 +41,6 @@ from bastion.tree.draft_tree import DraftTree
 
 MODES = ("sequential", "parallel", "flex")
 SELECTIONS = ("min_confidence", "cumulative_product")
-MIN_AR_STRETCH, MAX_AR_STRETCH = 8, 256  # flex mode: AR steps before drafting is tried again
 
 
 class FlexDraftDrafter(nn.Module):
@@ -77,8 +77,7 @@ class FlexDraftDrafter(nn.Module):
         self._pending: dict[int, torch.Tensor] = {}  # row -> hidden of the group drafted for its accepted node
         self.tokens_per_step = 2.0  # flex mode: running mean of tokens a drafted step produced per row
         self._lengths: list[int] | None = None  # rows' sequence lengths when the last draft was made
-        self._off = 0  # flex mode: AR steps left before drafting is tried again
-        self._off_next = MIN_AR_STRETCH  # flex mode: the next AR stretch, doubled by every failed retry
+        self.stretch = ARStretch()  # flex mode: AR steps while drafting does not pay
         self.drafting = True  # False while flex mode has drafting off (this step is an AR step)
 
     # ---- the forward shared by drafting, parallel verification and training -------------------
@@ -116,32 +115,38 @@ class FlexDraftDrafter(nn.Module):
 
     # ---- decoding -------------------------------------------------------------------------------
     def reset(self, batch_size: int, capacity: int) -> None:
-        # what flex mode has learned of this drafter (tokens_per_step, _off_next) carries over
-        self._pending, self._lengths, self._off = {}, None, 0
+        # what flex mode has learned of this drafter (tokens_per_step, the next stretch) carries over
+        self._pending, self._lengths, self.stretch.left = {}, None, 0
 
     def keep_rows(self, rows: list[int]) -> None:
         self._pending = {new: self._pending[old] for new, old in enumerate(rows) if old in self._pending}
         if self._lengths is not None:
             self._lengths = [self._lengths[r] for r in rows]
 
-    def drafting_pays(self, ctx: DraftContext) -> bool:
-        """Flex mode: do the measured tokens per step beat AR at this batch in either mode?
-        When not, the next few steps are AR steps; then drafting is tried (and measured) again.
-        Each retry that still does not pay doubles the AR stretch (8, 16, ... 256 steps), so a
-        drafter that never pays costs a vanishing share of steps instead of one in nine."""
-        if self._lengths is not None:  # learn from what the last drafted step produced
+    def absorb(self, ctx: DraftContext) -> None:
+        """An AR step chosen by the budget: groups drafted for this step are stale by the next."""
+        self._learn(ctx)
+        self._pending = {}
+
+    def _learn(self, ctx: DraftContext) -> None:
+        """Flex mode: fold what the last drafted step produced per row into tokens_per_step."""
+        if self._lengths is not None:
             produced = np.mean([len(s) - n for s, n in zip(ctx.sequences, self._lengths)])
             self.tokens_per_step += 0.3 * (produced - self.tokens_per_step)
             self._lengths = None
-        if self._off:
-            self._off -= 1
-            if self._off:
-                return False
-        elif not self._pays(ctx):  # (the step the countdown ends drafts anyway: a fresh measurement)
-            self._off, self._off_next = self._off_next, min(2 * self._off_next, MAX_AR_STRETCH)
+
+    def drafting_pays(self, ctx: DraftContext) -> bool:
+        """Flex mode: do the measured tokens per step beat AR at this batch in either mode?
+        When not, AR steps follow (budget/stretch.py) until drafting is tried and measured again."""
+        self._learn(ctx)
+        retry = self.stretch.left > 0
+        if self.stretch.skip():
             return False
-        else:
-            self._off_next = MIN_AR_STRETCH
+        if not retry:  # (a retry drafts regardless: tokens_per_step needs a fresh measurement)
+            if not self._pays(ctx):
+                self.stretch.failed()
+                return False
+            self.stretch.paid()
         self._lengths = [len(s) for s in ctx.sequences]
         return True
 

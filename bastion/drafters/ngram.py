@@ -32,6 +32,9 @@ class NgramDrafter:
     def keep_rows(self, rows: list[int]) -> None:
         pass
 
+    def absorb(self, ctx: DraftContext) -> None:
+        pass
+
     def propose(self, ctx: DraftContext) -> BlockProposal:
         B, K, k = len(ctx.sequences), self.block_size, self.top_k
         tokens = torch.zeros(B, K, k, dtype=torch.long)

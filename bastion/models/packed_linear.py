@@ -64,8 +64,8 @@ def can_pack(module: nn.Module) -> bool:
 def prepack_linears(module: nn.Module) -> nn.Module:
     """Swap every nn.Linear inside `module` for a PackedLinear sharing its parameters (on CPU,
     for float32/bfloat16; otherwise nothing changes). Tied weights stay tied. Returns `module`."""
-    if not can_pack(module):
-        return module
+    if not isinstance(module, nn.Module) or not can_pack(module):
+        return module  # (a drafter without weights, e.g. ngram, passes through)
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear:
