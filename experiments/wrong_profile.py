@@ -38,6 +38,9 @@ class Shadowed:
     def predicted_s(self):
         return self.live.predicted_s
 
+    def drafts(self):
+        return self.live.drafts()
+
     def size(self, trees, contexts):
         # the reference sees the same measured draft and overhead times, and keeps its probe's fit
         self.reference.draft_s, self.reference.other_s = self.live.draft_s, self.live.other_s

@@ -11,18 +11,10 @@ from bastion.drafters.base import BlockProposal, DraftContext
 from bastion.engine import generate
 
 
-class OracleDrafter:
-    """Knows each prompt's AR continuation and hides it among decoys: at each position the
-    true token sits at a random rank, or is missing with probability `miss`. Trees then accept
-    deep paths through non-first ranks and reject elsewhere, which exercises masks, positions
-    and non-contiguous KV commits far more than a real drafter on a random model would."""
+class StatelessDrafter:
+    """A test drafter's no-op bookkeeping: everything it needs is in the DraftContext."""
 
     feature_layers = ()
-
-    def __init__(self, continuations: dict[tuple[int, ...], list[int]], vocab: int, block_size=6, top_k=3, miss=0.25, seed=0):
-        self.continuations, self.vocab = continuations, vocab
-        self.block_size, self.top_k, self.miss = block_size, top_k, miss
-        self.rng = random.Random(seed)
 
     def reset(self, batch_size, capacity):
         pass
@@ -32,6 +24,18 @@ class OracleDrafter:
 
     def absorb(self, ctx):
         pass
+
+
+class OracleDrafter(StatelessDrafter):
+    """Knows each prompt's AR continuation and hides it among decoys: at each position the
+    true token sits at a random rank, or is missing with probability `miss`. Trees then accept
+    deep paths through non-first ranks and reject elsewhere, which exercises masks, positions
+    and non-contiguous KV commits far more than a real drafter on a random model would."""
+
+    def __init__(self, continuations: dict[tuple[int, ...], list[int]], vocab: int, block_size=6, top_k=3, miss=0.25, seed=0):
+        self.continuations, self.vocab = continuations, vocab
+        self.block_size, self.top_k, self.miss = block_size, top_k, miss
+        self.rng = random.Random(seed)
 
     def _truth(self, seq: list[int]) -> list[int]:
         for prompt, cont in self.continuations.items():

@@ -12,6 +12,7 @@ import torch
 
 from bastion.budget.fixed import FixedBudget
 from bastion.budget.latency import LatencyModel, ForwardCost
+from bastion.drafters.base import DraftContext
 from bastion.drafters.flexdraft import FlexDraftDrafter, load_flexdraft
 from bastion.engine import generate
 from bastion.tree.best_first import best_first
@@ -125,3 +126,14 @@ def test_flex_mode_stops_drafting_when_it_cannot_pay(tiny_llama):
         assert_same_tokens(tiny_llama, p, exp, gen.tokens, "flex off")
     drafted = [i for i, s in enumerate(d.steps) if max(s.tree_sizes) > 0]
     assert drafted[:2] == [8, 25]  # AR steps 0-7, a retry, AR steps 9-24 (twice as long), a retry
+
+
+def test_flex_mode_first_measurement_replaces_the_prior(tiny_llama):
+    """The optimistic prior (2 tokens per drafted step) buys one measured try, not several."""
+    drafter = random_flexdraft(tiny_llama, mode="flex")
+    drafter._lengths = [10, 12]
+    drafter._learn(DraftContext([[0] * 11, [0] * 13], None, [1, 1]))  # each row produced 1 token
+    assert drafter.tokens_per_step == 1.0
+    drafter._lengths = [11, 13]
+    drafter._learn(DraftContext([[0] * 14, [0] * 16], None, [3, 3]))  # then 3 tokens
+    assert drafter.tokens_per_step == pytest.approx(1.6)

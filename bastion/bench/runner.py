@@ -2,7 +2,8 @@
 
 Fairness: every method (AR included) decodes the same prompts with the same target on the
 same machine in the same run, after an untimed warm-up, with the device synchronised before
-each timer read (engine.py). Nothing is lost: a record is appended and flushed per prompt,
+each timer read (engine.py). Methods take turns batch by batch, so a machine that speeds up or
+slows down during a run (clocks, other tenants) shifts every method alike. Nothing is lost: a record is appended and flushed per prompt,
 and a rerun in the same directory skips what is already recorded.
 """
 
@@ -63,14 +64,17 @@ def run_methods(
         for method in methods:
             method.generate(target, [first], min(8, max_new_tokens), sampling, seed, stop)
     drop_cut_line(results)
-    with open(results, "a") as sink:
-        for method in methods:
-            todo = [p for p in prompts if (method.name, bench, p.id) not in done]
-            batches = [todo[i : i + batch_size] for i in range(0, len(todo), batch_size)]
-            for batch in tqdm(batches, desc=f"{bench}/{method.name}", unit="batch", leave=False):
-                for record in decode_batch(target, method, batch, bench, max_new_tokens, sampling, seed, stop):
-                    sink.write(json.dumps(record) + "\n")
-                sink.flush()
+    batches = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
+    with open(results, "a") as sink, tqdm(total=len(batches) * len(methods), desc=bench, unit="batch", leave=False) as bar:
+        for batch in batches:  # every method on one batch, then the next: slow drift of the machine hits all alike
+            for method in methods:
+                bar.set_postfix_str(method.name)
+                todo = [p for p in batch if (method.name, bench, p.id) not in done]
+                if todo:
+                    for record in decode_batch(target, method, todo, bench, max_new_tokens, sampling, seed, stop):
+                        sink.write(json.dumps(record) + "\n")
+                    sink.flush()
+                bar.update()
 
 
 def summarize_run(out_dir: Path, prompts: dict[str, list[Prompt]]) -> pd.DataFrame:

@@ -76,6 +76,7 @@ class FlexDraftDrafter(nn.Module):
         self.latency = None  # flex mode's latency model (load_flexdraft calibrates it on this machine)
         self._pending: dict[int, torch.Tensor] = {}  # row -> hidden of the group drafted for its accepted node
         self.tokens_per_step = 2.0  # flex mode: running mean of tokens a drafted step produced per row
+        self._measured = False  # flex mode: tokens_per_step is still the prior (the first measurement replaces it)
         self._lengths: list[int] | None = None  # rows' sequence lengths when the last draft was made
         self.stretch = ARStretch()  # flex mode: AR steps while drafting does not pay
         self.drafting = True  # False while flex mode has drafting off (this step is an AR step)
@@ -132,8 +133,8 @@ class FlexDraftDrafter(nn.Module):
         """Flex mode: fold what the last drafted step produced per row into tokens_per_step."""
         if self._lengths is not None:
             produced = np.mean([len(s) - n for s, n in zip(ctx.sequences, self._lengths)])
-            self.tokens_per_step += 0.3 * (produced - self.tokens_per_step)
-            self._lengths = None
+            self.tokens_per_step += (0.3 if self._measured else 1.0) * (produced - self.tokens_per_step)
+            self._lengths, self._measured = None, True
 
     def drafting_pays(self, ctx: DraftContext) -> bool:
         """Flex mode: do the measured tokens per step beat AR at this batch in either mode?
