@@ -162,10 +162,11 @@ def generate(
         t0 = _now(device)
         roots = [seq[-1] for seq in ctx.sequences]
         proposal = None
-        if drafter is not None and budget.drafts():
-            proposal = drafter.propose(ctx)
-        elif drafter is not None:  # the budget chose an AR step; the drafter still reads the new tokens
-            drafter.absorb(ctx)
+        if drafter is not None:
+            if budget.drafts():
+                proposal = drafter.propose(ctx)
+            else:  # the budget chose an AR step; the drafter still reads the new tokens
+                drafter.absorb(ctx)
         t1 = _now(device)
         contexts = list(cache.lengths)
         trees = budget.size(policy(proposal, max_nodes), contexts) if proposal is not None else [DraftTree.root_only(r) for r in roots]

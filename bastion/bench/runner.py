@@ -3,8 +3,9 @@
 Fairness: every method (AR included) decodes the same prompts with the same target on the
 same machine in the same run, after an untimed warm-up, with the device synchronised before
 each timer read (engine.py). Methods take turns batch by batch, so a machine that speeds up or
-slows down during a run (clocks, other tenants) shifts every method alike. Nothing is lost: a record is appended and flushed per prompt,
-and a rerun in the same directory skips what is already recorded.
+slows down during a run (clocks, other tenants) shifts every method alike. Nothing is lost: a
+record is appended and flushed per prompt, and a rerun in the same directory skips what is
+already recorded.
 """
 
 from __future__ import annotations

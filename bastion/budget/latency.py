@@ -24,8 +24,8 @@ import torch
 from scipy.optimize import least_squares
 
 from bastion.budget.hardware import HardwareProfile
-from bastion.models.transformer import ModelArgs
 from bastion.models.packed_linear import linear_kernels
+from bastion.models.transformer import ModelArgs
 
 PROBE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
