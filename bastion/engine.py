@@ -163,9 +163,9 @@ def generate(
         roots = [seq[-1] for seq in ctx.sequences]
         proposal = None
         if drafter is not None:
-            if budget.drafts():
+            if budget.drafts() and drafter.drafts(ctx):
                 proposal = drafter.propose(ctx)
-            else:  # the budget chose an AR step; the drafter still reads the new tokens
+            else:  # the budget or the drafter chose an AR step; the drafter still reads the new tokens
                 drafter.absorb(ctx)
         t1 = _now(device)
         contexts = list(cache.lengths)

@@ -22,6 +22,9 @@ class StatelessDrafter:
     def keep_rows(self, rows):
         pass
 
+    def drafts(self, ctx):
+        return True
+
     def absorb(self, ctx):
         pass
 

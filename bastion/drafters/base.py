@@ -28,13 +28,6 @@ class BlockProposal:
     def block_size(self) -> int:
         return self.tokens.shape[1]
 
-    @staticmethod
-    def empty(roots: list[int], positions: int, k: int, device) -> BlockProposal:
-        """No candidates at all: policies build root-only trees, and the step is an AR step."""
-        B = len(roots)
-        return BlockProposal(roots, torch.zeros(B, positions, k, dtype=torch.long, device=device),
-                             torch.full((B, positions, k), -torch.inf, device=device))
-
     def distributions(self, sampling: Sampling, vocab_size: int) -> torch.Tensor:
         """The draft distributions q [B, K, V] that sampled trees are drawn from: the full
         logits through the same temperature / top-k / top-p as the target, or else the
@@ -64,6 +57,9 @@ class Drafter(Protocol):
 
     def propose(self, ctx: DraftContext) -> BlockProposal:
         """Draft the next block for every row."""
+
+    def drafts(self, ctx: DraftContext) -> bool:
+        """Draft this step? (False: the drafter itself judges that drafting does not pay now.)"""
 
     def absorb(self, ctx: DraftContext) -> None:
         """A step without drafting (the budget chose AR): take in the newly verified tokens of

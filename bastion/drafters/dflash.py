@@ -67,6 +67,9 @@ class DFlashDrafter(nn.Module):
     def keep_rows(self, rows: list[int]) -> None:
         self.cache.keep_rows(rows)
 
+    def drafts(self, ctx: DraftContext) -> bool:
+        return True
+
     @torch.inference_mode()
     def absorb(self, ctx: DraftContext) -> None:
         self._append_context(ctx.features, ctx.n_features)

@@ -79,7 +79,6 @@ class FlexDraftDrafter(nn.Module):
         self._measured = False  # flex mode: tokens_per_step is still the prior (the first measurement replaces it)
         self._lengths: list[int] | None = None  # rows' sequence lengths when the last draft was made
         self.stretch = ARStretch()  # flex mode: AR steps while drafting does not pay
-        self.drafting = True  # False while flex mode has drafting off (this step is an AR step)
 
     # ---- the forward shared by drafting, parallel verification and training -------------------
     def run_layers(self, x, positions, mask, is_mask, extend_kv):
@@ -125,7 +124,8 @@ class FlexDraftDrafter(nn.Module):
             self._lengths = [self._lengths[r] for r in rows]
 
     def absorb(self, ctx: DraftContext) -> None:
-        """An AR step chosen by the budget: groups drafted for this step are stale by the next."""
+        """An AR step (chosen by the budget or by flex mode): groups drafted for this step are
+        stale by the next."""
         self._learn(ctx)
         self._pending = {}
 
@@ -136,9 +136,14 @@ class FlexDraftDrafter(nn.Module):
             self.tokens_per_step += (0.3 if self._measured else 1.0) * (produced - self.tokens_per_step)
             self._lengths, self._measured = None, True
 
-    def drafting_pays(self, ctx: DraftContext) -> bool:
+    def drafts(self, ctx: DraftContext) -> bool:
         """Flex mode: do the measured tokens per step beat AR at this batch in either mode?
-        When not, AR steps follow (budget/stretch.py) until drafting is tried and measured again."""
+        When not, AR steps follow (budget/stretch.py) until drafting is tried and measured again.
+        The other modes always draft."""
+        if self.mode != "flex":
+            return True
+        if self.latency is None:
+            raise ValueError("FlexDraft's flex mode needs a latency model: load it with load_flexdraft (drafter=flexdraft).")
         self._learn(ctx)
         retry = self.stretch.left > 0
         if self.stretch.skip():
@@ -168,8 +173,6 @@ class FlexDraftDrafter(nn.Module):
         whether one forward of tree + kept groups beats a tree forward plus a group forward."""
         if self.mode != "flex":
             return self.mode == "parallel"
-        if not self.drafting:  # an AR step: nothing to draft alongside
-            return False
         width = max(len(t.tokens) for t in trees)
         groups = max(len(self.selected_nodes(t)) for t in trees)
         ctx = np.asarray(contexts)[None, :]
@@ -182,13 +185,6 @@ class FlexDraftDrafter(nn.Module):
     def propose(self, ctx: DraftContext) -> BlockProposal:
         roots = [seq[-1] for seq in ctx.sequences]
         B = len(roots)
-        if self.mode == "flex":
-            if self.latency is None:
-                raise ValueError("FlexDraft's flex mode needs a latency model: load it with load_flexdraft (drafter=flexdraft).")
-            self.drafting = self.drafting_pays(ctx)
-            if not self.drafting:
-                self._pending = {}
-                return BlockProposal.empty(roots, self.group_size - 1, self.top_k, self.mask_embedding.device)
         hidden = [self._pending.get(b) for b in range(B)]
         missing = [b for b in range(B) if hidden[b] is None]
         if missing:  # sequential drafting (or a parallel group that selective verification pruned)

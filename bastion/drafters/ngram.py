@@ -32,6 +32,9 @@ class NgramDrafter:
     def keep_rows(self, rows: list[int]) -> None:
         pass
 
+    def drafts(self, ctx: DraftContext) -> bool:
+        return True
+
     def absorb(self, ctx: DraftContext) -> None:
         pass
 
