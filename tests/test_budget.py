@@ -12,6 +12,7 @@ import torch
 from bastion.budget.controller import BastionBudget, merge_best_first
 from bastion.budget.hardware import HardwareProfile, profile_from_config
 from bastion.budget.latency import ForwardCost, LatencyModel
+from bastion.budget.stretch import ARStretch
 from bastion.models.transformer import ModelArgs
 from bastion.tree.draft_tree import DraftTree
 
@@ -134,6 +135,21 @@ def test_drafting_stops_while_no_tree_beats_ar_and_is_retried():
     assert [budget.drafts() for _ in range(16)] == [False] * 15 + [True]
     budget.size([strong], [300])  # pays: drafting stays on, and the next stretch is short again
     assert budget.drafts() and budget.stretch.next == 8
+
+
+def test_ar_stretches_double_and_outlast_their_retry():
+    stretch = ARStretch()
+    stretch.failed(retry_cost=1.2)  # a retry wastes 0.2 AR steps: 2.5% of 8
+    assert (stretch.left, stretch.next) == (8, 16)
+    stretch.failed(retry_cost=4.5)  # a batch of 16 on a CPU: 3.5 AR steps wasted need >= 70 steps
+    assert (stretch.left, stretch.next) == (70, 140)
+    stretch.failed(retry_cost=4.5)
+    assert (stretch.left, stretch.next) == (140, 256)
+    stretch.failed(retry_cost=50.0)  # never longer than 256
+    assert (stretch.left, stretch.next) == (256, 256)
+    assert [stretch.skip() for _ in range(257)] == [True] * 255 + [False, False]
+    stretch.paid()
+    assert stretch.next == 8
 
 
 def test_profiles_and_bad_budgets():

@@ -12,7 +12,8 @@ A_hat is the drafter's own belief, and drafters are overconfident, more so out o
 (measured: accepted / A_hat = 0.73 on GSM8K, 0.30 on MT-Bench, the same at every tree size).
 So the controller scales A_hat by the running ratio of accepted tokens to A_hat over the steps
 it verified. When even the best tree is predicted slower than AR (S(n) < 1 for every n), the
-following steps are AR steps (budget/stretch.py: 8 at first, doubling while retries fail).
+following steps are AR steps (budget/stretch.py: 8 at first, doubling while retries fail, and
+long enough that a retry wastes at most 5% of them).
 
 A model that is wrong (a wrong hardware profile, another process on the machine) only ever
 sees the sizes it chooses, which cannot tell compute from memory costs apart. So while its
@@ -75,11 +76,11 @@ class BastionBudget:
         return not self.stretch.skip()
 
     def size(self, trees: list[DraftTree], contexts: list[int]) -> list[DraftTree]:
-        counts, verify, speedup = self.curve(trees, contexts)
+        counts, verify, cost, speedup = self.curve(trees, contexts)
         best = int(np.argmax(speedup))
         if self.drafting_off and not self.exploring:
             if speedup[best] < 1:
-                self.stretch.failed()
+                self.stretch.failed(retry_cost=float(cost[best]))
             else:
                 self.stretch.paid()
         if self.exploring:
@@ -90,15 +91,15 @@ class BastionBudget:
         return [tree.truncate(int(n)) for tree, n in zip(trees, counts[best])]
 
     def curve(self, trees: list[DraftTree], contexts: list[int]):
-        """For n = 0.. all nodes: per-row node counts [n+1, B], predicted verify time [n+1]
-        and predicted speedup over AR S(n) [n+1]."""
+        """For n = 0.. all nodes: per-row node counts [n+1, B], predicted verify time [n+1],
+        predicted step time in AR steps [n+1] and predicted speedup over AR S(n) [n+1]."""
         counts, gained = merge_best_first(trees)
         new_tokens = 1 + counts.max(axis=1, keepdims=True).repeat(len(trees), axis=1)  # the padded batch
         ctx = np.asarray(contexts)[None, :].repeat(len(counts), 0)
         verify = self.latency.predict(new_tokens, ctx)
-        ar_step = verify[0] + self.other_s  # n = 0 is an AR step
-        speedup = (len(trees) + self.acceptance_ratio * gained) / (self.draft_s + verify + self.other_s) * ar_step / len(trees)
-        return counts, verify, speedup
+        cost = (self.draft_s + verify + self.other_s) / (verify[0] + self.other_s)  # n = 0 is an AR step
+        speedup = (1 + self.acceptance_ratio * gained / len(trees)) / cost
+        return counts, verify, cost, speedup
 
     def observe(self, step, contexts: list[int], width: int) -> None:
         """Fold in a measured step: its draft and other times, its accepted tokens against

@@ -5,16 +5,23 @@ forwards are expensive) should cost almost nothing there. After a step that says
 does not pay, the next steps are plain AR steps; then drafting is tried once more, and each
 retry that fails again doubles the stretch (8, 16, ... 256 steps), so a drafter that never
 pays costs a vanishing share of steps, and one that starts paying is back within a stretch.
+
+A retry is a drafted step, and where those are dear (a batch of 16 rows on a CPU: ~4.5 AR
+steps each) eight AR steps and a retry would lose a third of the stretch to the retry. So a
+stretch is also at least long enough that its retry, costing `retry_cost` AR steps (what the
+latency model predicts), wastes at most `waste` (5%) of the stretch: (retry_cost - 1) / waste.
 """
 
 from __future__ import annotations
 
+import math
+
 
 class ARStretch:
-    def __init__(self, first: int = 8, longest: int = 256):
-        self.first, self.longest = first, longest
+    def __init__(self, first: int = 8, longest: int = 256, waste: float = 0.05):
+        self.first, self.longest, self.waste = first, longest, waste
         self.left = 0  # AR steps left in the current stretch
-        self.next = first  # the length of the next stretch
+        self.next = first  # the length of the next stretch, before the retry-cost floor
 
     def skip(self) -> bool:
         """Count one step of a stretch: True while this step should be an AR step. The last
@@ -24,9 +31,12 @@ class ARStretch:
         self.left -= 1
         return self.left > 0
 
-    def failed(self) -> None:
-        """Drafting did not pay: start a stretch; the one after it is twice as long."""
-        self.left, self.next = self.next, min(2 * self.next, self.longest)
+    def failed(self, retry_cost: float = 1.0) -> None:
+        """Drafting did not pay: start a stretch whose retry costs `retry_cost` AR steps; the
+        next stretch is twice as long."""
+        floor = math.ceil((retry_cost - 1) / self.waste - 1e-9)
+        self.left = min(max(self.next, floor), self.longest)
+        self.next = min(2 * self.left, self.longest)
 
     def paid(self) -> None:
         self.next = self.first

@@ -149,20 +149,21 @@ class FlexDraftDrafter(nn.Module):
         if self.stretch.skip():
             return False
         if not retry:  # (a retry drafts regardless: tokens_per_step needs a fresh measurement)
-            if not self._pays(ctx):
-                self.stretch.failed()
+            cost = self._drafted_step_cost(ctx)
+            if self.tokens_per_step < cost:
+                self.stretch.failed(retry_cost=cost)
                 return False
             self.stretch.paid()
         self._lengths = [len(s) for s in ctx.sequences]
         return True
 
-    def _pays(self, ctx: DraftContext) -> bool:
+    def _drafted_step_cost(self, ctx: DraftContext) -> float:
+        """A drafted step's predicted time in AR steps, in the cheaper mode at this batch."""
         ctx_len = np.asarray(ctx.cache.lengths)[None, :]
         rows = np.ones_like(ctx_len)
         step = lambda n: float(self.latency.predict(rows * n, ctx_len)[0])  # noqa: E731
         G = self.group_size  # a drafted tree is a chain of G - 1 drafts under its root: G tokens, like a group
-        best = min(2 * step(G), step(3 * G))  # sequential (tree, then a group), or parallel with ~2 groups kept
-        return self.tokens_per_step * step(1) >= best
+        return min(2 * step(G), step(3 * G)) / step(1)  # sequential (tree, then a group), or parallel with ~2 groups kept
 
     def extra_tokens(self, max_nodes: int) -> int:
         """Cache slots a forward may need beyond the tree: the mask groups."""
