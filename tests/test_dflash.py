@@ -1,5 +1,6 @@
 """DFlash drafter: the decoding path equals the training path, checkpoints round-trip in the
-released format, mismatched drafters are refused, and decoding with it stays lossless."""
+released format, mismatched drafters are refused, decoding with it stays lossless, and the
+training log's val_chain_aal counts the steps chain decoding takes."""
 
 from __future__ import annotations
 
@@ -9,12 +10,17 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from bastion.bench.datasets import chat_tokens
 from bastion.budget.fixed import FixedBudget
 from bastion.drafters.base import DraftContext
 from bastion.drafters.dflash import DFlashDrafter, evenly_spaced_layers, load_dflash, new_dflash_config
 from bastion.engine import generate
+from bastion.train.data import training_prompts
+from bastion.train.dflash import chain_aal
+from bastion.train.examples import Example
 from bastion.tree.best_first import best_first
 from bastion.tree.chain import chain
+from tests.conftest import ROOT
 from tests.helpers import ar_outputs, assert_same_tokens
 from tests.test_lossless import random_prompts
 
@@ -136,3 +142,23 @@ def test_draft_vocabulary_limits_drafts_and_round_trips(tiny_llama, tmp_path):
     loaded.reset(1, 64)
     proposal = loaded.propose(DraftContext([prompts[0]], target_features(tiny_llama, prompts[0], (0, 1))[:, :-1], [len(prompts[0]) - 1]))
     assert set(proposal.tokens.flatten().tolist()) <= set(vocab.tolist())
+
+
+@pytest.mark.slow
+def test_chain_aal_walks_the_steps_chain_decoding_takes(smollm2_packed):
+    """val_chain_aal: walking the drafter's blocks along the target's greedy answers takes as
+    many steps as chain decoding those prompts does (SmolLM2 and the committed drafter)."""
+    target = smollm2_packed
+    drafter = load_dflash(target, str(ROOT / "checkpoints" / "dflash_smollm2_135m"))
+    prompts = [chat_tokens(target.tokenizer, [{"role": "user", "content": text}]) for _, text in training_prompts({"gsm8k": 1}, 4, seed=5)]
+    layers = tuple(drafter.config["dflash_config"]["target_layer_ids"])
+    answers = generate(target, prompts, max_new_tokens=64, record=layers).generations
+    walked, decoded = [], []
+    for prompt, answer in zip(prompts, answers):
+        example = Example(torch.tensor(prompt + answer.tokens), answer.features, len(prompt))
+        walked.append((len(answer.tokens) - 1) / chain_aal(drafter, [example]))
+        decoding = generate(target, [prompt], drafter=drafter, policy=chain, budget=FixedBudget(drafter.block_size - 1), max_new_tokens=64)
+        assert decoding.generations[0].tokens == answer.tokens
+        decoded.append(len(decoding.steps))
+    assert [round(w) for w in walked] == decoded
+    assert sum(decoded) < sum(len(a.tokens) - 1 for a in answers)  # the drafter is accepted: the walk is not trivial

@@ -105,7 +105,7 @@ def test_checkpoint_roundtrip_and_mismatch(tiny_qwen3, tmp_path):
     loaded = load_flexdraft(tiny_qwen3, str(tmp_path), calibration=False)
     for (name, a), b in zip(drafter.state_dict().items(), loaded.state_dict().values()):
         assert torch.equal(a, b), name
-    assert not loaded.use_calibration
+    assert loaded.calibration_mode == "off"
     with pytest.raises(ValueError, match="python train.py drafter=flexdraft target=tiny_qwen3"):
         load_flexdraft(tiny_qwen3, None)
     config = json.loads((tmp_path / "config.json").read_text())
@@ -149,3 +149,33 @@ def test_flex_mode_first_measurement_replaces_the_prior(tiny_llama):
     drafter._lengths = [11, 13]
     drafter._learn(DraftContext([[0] * 14, [0] * 16], None, [3, 3]))  # then 3 tokens
     assert drafter.tokens_per_step == pytest.approx(1.6)
+
+
+def test_auto_calibration_races_the_two_heads():
+    """calibration=auto scores the last drafted step's top-1 drafts with and without the MLP
+    against the tokens the target produced, and drafts with whichever has won more steps."""
+    drafter = FlexDraftDrafter.__new__(FlexDraftDrafter)
+    drafter.calibration_mode, drafter.mlp_wins = "auto", [0, 1]
+    assert drafter.uses_mlp()  # the prior: one win for the MLP
+    race = lambda plain, mlp: {0: (3, torch.tensor(plain), torch.tensor(mlp))}  # noqa: E731  (root at position 2)
+    for plain, mlp, wins in [([5, 6, 7], [9, 9, 9], [1, 1]),  # the target went on 5, 6, 8: plain reached 2, the MLP 0
+                             ([5, 9, 9], [5, 9, 8], [1, 1]),  # a tie (both reached 1) teaches nothing
+                             ([5, 6, 9], [5, 9, 9], [2, 1])]:
+        drafter._race = race(plain, mlp)
+        drafter._score_race(DraftContext([[1, 2, 3, 5, 6, 8]], None, [1]))
+        assert drafter.mlp_wins == wins and drafter._race == {}
+    assert not drafter.uses_mlp()
+    drafter.calibration_mode = "on"
+    assert drafter.uses_mlp()
+
+
+@pytest.mark.parametrize("calibration", ["on", "off", "auto"])
+def test_lossless_with_every_calibration(tiny_llama, calibration):
+    prompts = random_prompts(4, seed=3)
+    target, expected = with_eos_mid_output(tiny_llama, prompts, 20)
+    drafter = random_flexdraft(target, mode="sequential")
+    drafter.calibration_mode = calibration
+    d = generate(target, prompts, drafter=drafter, policy=best_first, budget=FixedBudget(4), max_new_tokens=20)
+    for p, exp, gen in zip(prompts, expected, d.generations):
+        assert_same_tokens(target, p, exp, gen.tokens, f"calibration {calibration}")
+    assert sum(drafter.mlp_wins) > 1 or calibration != "auto"  # the race was scored

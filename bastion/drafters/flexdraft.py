@@ -8,7 +8,11 @@ group; their K/V are scratch and never enter the cache. The first mask sits wher
 token goes (still unknown when drafting in parallel with verification); masks 2..G predict
 the K = G - 1 tokens after it. A bonus-guided calibration MLP on [embedding of the bonus the
 verifier produced, mask hidden state] adds a bias to those logits, steering drafts made before
-the bonus was known towards it.
+the bonus was known towards it. Trained on math and code answers, the MLP can steer the wrong
+way on other text; `calibration=auto` keeps it only while it measurably helps: every drafted
+step, the top-1 drafts with and without it are both scored against the tokens the target then
+produced (an unbiased race on the same positions, free: both logits exist), and the drafts
+come from whichever has won more steps in this decode.
 
 Decoding modes (`mode`): *sequential* drafts one group after each verification (one extra,
 small forward); *parallel* rides along the verification forward, with one group per tree node
@@ -40,6 +44,7 @@ from bastion.models.target import Target
 from bastion.tree.draft_tree import DraftTree
 
 MODES = ("sequential", "parallel", "flex")
+CALIBRATION = ("on", "off", "auto")
 SELECTIONS = ("min_confidence", "cumulative_product")
 
 
@@ -61,7 +66,9 @@ class FlexDraftDrafter(nn.Module):
         self.first_tuned = args.n_layers - tuned_layers
         self.group_size, self.top_k = group_size, top_k
         self.mode, self.selection, self.threshold = mode, selection, threshold
-        self.use_calibration = True
+        self.calibration_mode = "on"  # the MLP: on | off | auto (while it wins; see the module docstring)
+        self._race: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = {}  # auto: row -> (length, top-1 drafts with / without the MLP)
+        self.mlp_wins = [0, 1]  # auto: steps won without / with the MLP in this decode (a prior of one win for the MLP)
         self.tuned = nn.ModuleList(copy.deepcopy(target.model.layers[i].self_attn) for i in range(self.first_tuned, args.n_layers))
         embed = target.model.embed_tokens.weight
         start = embed[mask_token_id] if mask_token_id is not None else embed.mean(0)
@@ -103,23 +110,39 @@ class FlexDraftDrafter(nn.Module):
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return model.norm(x)
 
-    def draft_logits(self, hidden: torch.Tensor, bonus: torch.Tensor) -> torch.Tensor:
+    def draft_logits(self, hidden: torch.Tensor, bonus: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Group hidden states [..., G, h] and bonus tokens [...] -> draft logits [..., G-1, V]
-        for the tokens after the bonus, calibrated by the bonus unless use_calibration is off."""
+        for the tokens after the bonus, without and with the calibration MLP's bias (None when
+        calibration is off)."""
         drafts = hidden[..., 1:, :]
-        logits = self.target.model.lm_head(drafts)
-        if self.use_calibration:
-            bonus_embed = self.target.model.embed_tokens(bonus)[..., None, :].expand_as(drafts)
-            logits = logits + self.calibration(torch.cat([bonus_embed.to(drafts.dtype), drafts], dim=-1))
-        return logits
+        plain = self.target.model.lm_head(drafts)
+        if self.calibration_mode == "off":
+            return plain, None
+        bonus_embed = self.target.model.embed_tokens(bonus)[..., None, :].expand_as(drafts)
+        return plain, plain + self.calibration(torch.cat([bonus_embed.to(drafts.dtype), drafts], dim=-1))
+
+    def uses_mlp(self) -> bool:
+        return self.calibration_mode == "on" or (self.calibration_mode == "auto" and self.mlp_wins[1] >= self.mlp_wins[0])
+
+    def _score_race(self, ctx: DraftContext) -> None:
+        """calibration=auto: which top-1 drafts of the last drafted step match the target's
+        tokens further (accepted drafts + bonus; ties teach nothing)."""
+        for b, (n, plain, calibrated) in self._race.items():
+            truth = torch.tensor(ctx.sequences[b][n : n + len(plain)], device=plain.device)
+            reach = [int((d[: len(truth)] == truth).int().cumprod(0).sum()) for d in (plain, calibrated)]
+            if reach[0] != reach[1]:
+                self.mlp_wins[reach[1] > reach[0]] += 1
+        self._race = {}
 
     # ---- decoding -------------------------------------------------------------------------------
     def reset(self, batch_size: int, capacity: int) -> None:
         # what flex mode has learned of this drafter (tokens_per_step, the next stretch) carries over
         self._pending, self._lengths, self.stretch.left = {}, None, 0
+        self._race, self.mlp_wins = {}, [0, 1]
 
     def keep_rows(self, rows: list[int]) -> None:
         self._pending = {new: self._pending[old] for new, old in enumerate(rows) if old in self._pending}
+        self._race = {new: self._race[old] for new, old in enumerate(rows) if old in self._race}
         if self._lengths is not None:
             self._lengths = [self._lengths[r] for r in rows]
 
@@ -127,6 +150,7 @@ class FlexDraftDrafter(nn.Module):
         """An AR step (chosen by the budget or by flex mode): groups drafted for this step are
         stale by the next."""
         self._learn(ctx)
+        self._score_race(ctx)
         self._pending = {}
 
     def _learn(self, ctx: DraftContext) -> None:
@@ -184,6 +208,7 @@ class FlexDraftDrafter(nn.Module):
 
     @torch.inference_mode()
     def propose(self, ctx: DraftContext) -> BlockProposal:
+        self._score_race(ctx)
         roots = [seq[-1] for seq in ctx.sequences]
         B = len(roots)
         hidden = [self._pending.get(b) for b in range(B)]
@@ -194,7 +219,10 @@ class FlexDraftDrafter(nn.Module):
                 hidden[b] = h
         self._pending = {}
         device = self.mask_embedding.device
-        logits = self.draft_logits(torch.stack(hidden), torch.tensor(roots, device=device)).float()
+        plain, calibrated = self.draft_logits(torch.stack(hidden), torch.tensor(roots, device=device))
+        if self.calibration_mode == "auto":
+            self._race = {b: (len(seq), plain[b].argmax(-1), calibrated[b].argmax(-1)) for b, seq in enumerate(ctx.sequences)}
+        logits = (calibrated if self.uses_mlp() else plain).float()
         logprobs = torch.log_softmax(logits, -1)
         top = logprobs.topk(self.top_k, dim=-1)
         return BlockProposal(roots, top.indices, top.values, logits)
@@ -274,7 +302,7 @@ def _writer(cache: KVCache, layer: int, write_pos, mask):
 
 
 def load_flexdraft(target: Target, checkpoint: str | None, mode: str = "sequential", selection: str = "min_confidence",
-                   threshold: float = 0.1, top_k: int = 8, calibration: bool = True, cache_dir: str | None = None) -> FlexDraftDrafter:
+                   threshold: float = 0.1, top_k: int = 8, calibration: bool | str = True, cache_dir: str | None = None) -> FlexDraftDrafter:
     config, state = read_checkpoint(checkpoint, "flexdraft", target.name)
     a = target.args
     if (config["num_target_layers"], config["hidden_size"], config["vocab_size"]) != (a.n_layers, a.hidden_size, a.vocab_size):
@@ -285,7 +313,9 @@ def load_flexdraft(target: Target, checkpoint: str | None, mode: str = "sequenti
     drafter = FlexDraftDrafter(target, config["tuned_layers"], config["group_size"], config["calibration_hidden"],
                                mode, selection, threshold, top_k)
     drafter.load_state_dict(state)
-    drafter.use_calibration = calibration
+    drafter.calibration_mode = {True: "on", False: "off"}.get(calibration, calibration)
+    if drafter.calibration_mode not in CALIBRATION:
+        raise ValueError(f"drafter.calibration must be true, false or auto (got {calibration}).")
     if mode == "flex":  # the switch between modes comes from this machine's measured latency
         drafter.latency = calibrated(target, measure(str(target.device)), Path(cache_dir or CACHE_DIR))
     return drafter.to(device=target.device, dtype=target.dtype).eval()

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from bastion.compose import build, resolve_device
+from bastion.compose import build_target, resolve_device
 from bastion.drafters.dflash import DFlashDrafter, evenly_spaced_layers, new_dflash_config
 from bastion.drafters.flexdraft import FlexDraftDrafter
 from bastion.train.data import build_selfdistill, training_prompts
@@ -31,7 +31,7 @@ def train(cfg: DictConfig) -> None:
     if cfg.drafter.name not in RECIPES:
         raise ValueError(f"train.py trains {' and '.join(RECIPES)} drafters (got drafter={cfg.drafter.name}).")
     started = time.time()
-    target = build(cfg.target, name=cfg.target.name)
+    target = build_target(cfg)  # packed on CPU: generating the data is inference (training runs plain kernels)
     target.model.requires_grad_(False)
     layers = tuple(evenly_spaced_layers(target.args.n_layers, cfg.data.n_feature_layers))
     examples, val_examples = split_examples(to_examples(self_distillation(cfg, target, layers)), cfg.data.val_fraction)

@@ -39,11 +39,12 @@ def train_loop(
     desc: str = "train",
     val_batches: list | None = None,
     val_every: int = 100,
+    val_metrics: Callable[[], dict] | None = None,
 ) -> list[dict]:
     """Optimise `module` in place; resumable from `state_path`. Returns the log records
     (mean loss, accuracy per draft position, seconds per step, every `log_every` steps; and
     every `val_every` steps the loss and accuracy on `val_batches`, held-out data that shows
-    over-fitting)."""
+    over-fitting, and whatever `val_metrics` measures on held-out data)."""
     for group in param_groups:
         group["peak"] = group["lr"]
     optimizer = torch.optim.AdamW(param_groups, betas=(0.9, 0.95), weight_decay=0.0)
@@ -75,7 +76,9 @@ def train_loop(
             log.append({"step": step + 1, "loss": sum(losses) / len(losses), "lr": optimizer.param_groups[0]["lr"],
                         "acc": [round(a, 4) for a in acc], "s_per_step": (time.time() - t0) / len(losses)})
             if val_batches and ((step + 1) % val_every == 0 or step + 1 == steps):
-                log[-1].update(evaluate(module, loss_fn, val_batches))
+                module.eval()
+                log[-1].update(evaluate(loss_fn, val_batches), **(val_metrics() if val_metrics else {}))
+                module.train()
             bar.set_postfix(loss=f"{log[-1]['loss']:.3f}", acc1=f"{acc[0]:.3f}", acc4=f"{acc[min(3, len(acc) - 1)]:.3f}")
             hits = counts = 0
             losses, t0 = [], time.time()
@@ -87,10 +90,8 @@ def train_loop(
 
 
 @torch.no_grad()
-def evaluate(module: nn.Module, loss_fn, batches: list) -> dict:
-    module.eval()
+def evaluate(loss_fn, batches: list) -> dict:
     results = [loss_fn(batch) for batch in batches]
-    module.train()
     hits, counts = sum(r[1] for r in results), sum(r[2] for r in results)
     return {"val_loss": sum(float(r[0]) for r in results) / len(results),
             "val_acc": [round(a, 4) for a in (hits / counts.clamp(min=1)).tolist()]}
