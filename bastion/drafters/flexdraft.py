@@ -18,7 +18,7 @@ Decoding modes (`mode`): *sequential* drafts one group after each verification (
 small forward); *parallel* rides along the verification forward, with one group per tree node
 (every possible accepted path), keeping only groups whose draft confidence passes *selective
 verification*; *flex* picks, every step, the mode the latency model predicts to be faster for
-the current batch, and drafts not at all (plain AR steps, re-tried every few steps) while the
+the current batch, and drafts not at all (plain AR stretches, each closed by a retry) while the
 measured tokens per step cannot pay for either, so a batch too large to gain never loses much.
 """
 
