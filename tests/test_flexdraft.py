@@ -156,14 +156,14 @@ def test_auto_calibration_races_the_two_heads():
     against the tokens the target produced, and drafts with whichever has won more steps."""
     drafter = FlexDraftDrafter.__new__(FlexDraftDrafter)
     drafter.calibration_mode, drafter.mlp_wins = "auto", [0, 1]
+    drafter.tokens_per_step, drafter._measured = 2.0, False
     assert drafter.uses_mlp()  # the prior: one win for the MLP
-    race = lambda plain, mlp: {0: (3, torch.tensor(plain), torch.tensor(mlp))}  # noqa: E731  (root at position 2)
     for plain, mlp, wins in [([5, 6, 7], [9, 9, 9], [1, 1]),  # the target went on 5, 6, 8: plain reached 2, the MLP 0
                              ([5, 9, 9], [5, 9, 8], [1, 1]),  # a tie (both reached 1) teaches nothing
                              ([5, 6, 9], [5, 9, 9], [2, 1])]:
-        drafter._race = race(plain, mlp)
-        drafter._score_race(DraftContext([[1, 2, 3, 5, 6, 8]], None, [1]))
-        assert drafter.mlp_wins == wins and drafter._race == {}
+        drafter._lengths, drafter._race = [3], (torch.tensor([plain]), torch.tensor([mlp]))  # root at position 2
+        drafter._learn(DraftContext([[1, 2, 3, 5, 6, 8]], None, [1]))
+        assert drafter.mlp_wins == wins and drafter._race is None
     assert not drafter.uses_mlp()
     drafter.calibration_mode = "on"
     assert drafter.uses_mlp()

@@ -42,6 +42,7 @@ from bastion.models.kv_cache import KVCache
 from bastion.models.loading import CACHE_DIR
 from bastion.models.target import Target
 from bastion.tree.draft_tree import DraftTree
+from bastion.verify import matched_prefix
 
 MODES = ("sequential", "parallel", "flex")
 CALIBRATION = ("on", "off", "auto")
@@ -67,7 +68,7 @@ class FlexDraftDrafter(nn.Module):
         self.group_size, self.top_k = group_size, top_k
         self.mode, self.selection, self.threshold = mode, selection, threshold
         self.calibration_mode = "on"  # the MLP: on | off | auto (while it wins; see the module docstring)
-        self._race: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = {}  # auto: row -> (length, top-1 drafts with / without the MLP)
+        self._race: tuple[torch.Tensor, torch.Tensor] | None = None  # auto: top-1 drafts [B, K] without / with the MLP at the last draft
         self.mlp_wins = [0, 1]  # auto: steps won without / with the MLP in this decode (a prior of one win for the MLP)
         self.tuned = nn.ModuleList(copy.deepcopy(target.model.layers[i].self_attn) for i in range(self.first_tuned, args.n_layers))
         embed = target.model.embed_tokens.weight
@@ -84,7 +85,7 @@ class FlexDraftDrafter(nn.Module):
         self._pending: dict[int, torch.Tensor] = {}  # row -> hidden of the group drafted for its accepted node
         self.tokens_per_step = 2.0  # flex mode: running mean of tokens a drafted step produced per row
         self._measured = False  # flex mode: tokens_per_step is still the prior (the first measurement replaces it)
-        self._lengths: list[int] | None = None  # rows' sequence lengths when the last draft was made
+        self._lengths: list[int] | None = None  # rows' sequence lengths when the last draft was made (until _learn reads it)
         self.stretch = ARStretch()  # flex mode: AR steps while drafting does not pay
 
     # ---- the forward shared by drafting, parallel verification and training -------------------
@@ -124,51 +125,52 @@ class FlexDraftDrafter(nn.Module):
     def uses_mlp(self) -> bool:
         return self.calibration_mode == "on" or (self.calibration_mode == "auto" and self.mlp_wins[1] >= self.mlp_wins[0])
 
-    def _score_race(self, ctx: DraftContext) -> None:
-        """calibration=auto: which top-1 drafts of the last drafted step match the target's
-        tokens further (accepted drafts + bonus; ties teach nothing)."""
-        for b, (n, plain, calibrated) in self._race.items():
-            truth = torch.tensor(ctx.sequences[b][n : n + len(plain)], device=plain.device)
-            reach = [int((d[: len(truth)] == truth).int().cumprod(0).sum()) for d in (plain, calibrated)]
-            if reach[0] != reach[1]:
-                self.mlp_wins[reach[1] > reach[0]] += 1
-        self._race = {}
-
     # ---- decoding -------------------------------------------------------------------------------
     def reset(self, batch_size: int, capacity: int) -> None:
         # what flex mode has learned of this drafter (tokens_per_step, the next stretch) carries over
-        self._pending, self._lengths, self.stretch.left = {}, None, 0
-        self._race, self.mlp_wins = {}, [0, 1]
+        self._pending, self._lengths, self._race, self.stretch.left = {}, None, None, 0
+        self.mlp_wins = [0, 1]
 
     def keep_rows(self, rows: list[int]) -> None:
         self._pending = {new: self._pending[old] for new, old in enumerate(rows) if old in self._pending}
-        self._race = {new: self._race[old] for new, old in enumerate(rows) if old in self._race}
         if self._lengths is not None:
             self._lengths = [self._lengths[r] for r in rows]
+        if self._race is not None:
+            self._race = tuple(drafts[rows] for drafts in self._race)
 
     def absorb(self, ctx: DraftContext) -> None:
         """An AR step (chosen by the budget or by flex mode): groups drafted for this step are
         stale by the next."""
         self._learn(ctx)
-        self._score_race(ctx)
         self._pending = {}
 
     def _learn(self, ctx: DraftContext) -> None:
-        """Flex mode: fold what the last drafted step produced per row into tokens_per_step."""
-        if self._lengths is not None:
-            produced = np.mean([len(s) - n for s, n in zip(ctx.sequences, self._lengths)])
-            self.tokens_per_step += (0.3 if self._measured else 1.0) * (produced - self.tokens_per_step)
-            self._lengths, self._measured = None, True
+        """Read what the last drafted step produced per row (its accepted drafts + bonus), once:
+        flex mode folds the count into tokens_per_step; calibration=auto scores the race of the
+        top-1 drafts without and with the MLP (the one that matches further wins; ties teach
+        nothing)."""
+        if self._lengths is None:
+            return
+        produced = [seq[n:] for seq, n in zip(ctx.sequences, self._lengths)]
+        self.tokens_per_step += (0.3 if self._measured else 1.0) * (np.mean([len(p) for p in produced]) - self.tokens_per_step)
+        self._measured = True
+        if self._race is not None:
+            for b, truth in enumerate(produced):
+                truth = torch.tensor(truth, device=self._race[0].device)
+                plain, with_mlp = (matched_prefix(drafts[b], truth) for drafts in self._race)
+                if plain != with_mlp:
+                    self.mlp_wins[with_mlp > plain] += 1
+        self._lengths = self._race = None
 
     def drafts(self, ctx: DraftContext) -> bool:
         """Flex mode: do the measured tokens per step beat AR at this batch in either mode?
         When not, AR steps follow (budget/stretch.py) until drafting is tried and measured again.
         The other modes always draft."""
+        self._learn(ctx)
         if self.mode != "flex":
             return True
         if self.latency is None:
             raise ValueError("FlexDraft's flex mode needs a latency model: load it with load_flexdraft (drafter=flexdraft).")
-        self._learn(ctx)
         retry = self.stretch.left > 0
         if self.stretch.skip():
             return False
@@ -178,7 +180,6 @@ class FlexDraftDrafter(nn.Module):
                 self.stretch.failed(retry_cost=cost)
                 return False
             self.stretch.paid()
-        self._lengths = [len(s) for s in ctx.sequences]
         return True
 
     def _drafted_step_cost(self, ctx: DraftContext) -> float:
@@ -208,7 +209,6 @@ class FlexDraftDrafter(nn.Module):
 
     @torch.inference_mode()
     def propose(self, ctx: DraftContext) -> BlockProposal:
-        self._score_race(ctx)
         roots = [seq[-1] for seq in ctx.sequences]
         B = len(roots)
         hidden = [self._pending.get(b) for b in range(B)]
@@ -220,8 +220,9 @@ class FlexDraftDrafter(nn.Module):
         self._pending = {}
         device = self.mask_embedding.device
         plain, calibrated = self.draft_logits(torch.stack(hidden), torch.tensor(roots, device=device))
+        self._lengths = [len(s) for s in ctx.sequences]
         if self.calibration_mode == "auto":
-            self._race = {b: (len(seq), plain[b].argmax(-1), calibrated[b].argmax(-1)) for b, seq in enumerate(ctx.sequences)}
+            self._race = (plain.argmax(-1), calibrated.argmax(-1))
         logits = (calibrated if self.uses_mlp() else plain).float()
         logprobs = torch.log_softmax(logits, -1)
         top = logprobs.topk(self.top_k, dim=-1)

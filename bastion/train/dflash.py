@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from bastion.drafters.dflash import DFlashDrafter
 from bastion.train.examples import Example, fixed_batches, sample_anchors
 from bastion.train.loop import train_loop
+from bastion.verify import matched_prefix
 
 CHAIN_EXAMPLES = 24  # held-out answers walked for val_chain_aal at each validation (~2 s on a CPU)
 
@@ -74,7 +75,7 @@ def chain_aal(drafter: DFlashDrafter, examples: list[Example]) -> float:
         at = start
         while at < n - 1:
             truth = e.tokens[at + 1 : at + drafter.block_size]
-            hits = (drafts[at - start, : len(truth)] == truth).int().cumprod(0).sum().item()
+            hits = matched_prefix(drafts[at - start], truth)
             steps, produced, at = steps + 1, produced + hits + 1, at + hits + 1
     return produced / max(steps, 1)
 
