@@ -3,8 +3,8 @@ and on all of the self-distillation answers, judged by val_chain_aal on the same
 
     python experiments/dflash_data_size.py [steps]      # SmolLM2-135M, 600 steps: ~20 min on 2 cores
 
-Needs the data `python train.py drafter=dflash target=smollm2_135m` generated (it reads the
-cache; it trains nothing into checkpoints/). Prints one JSON line per data share: the held-out
+Uses the data `python train.py drafter=dflash target=smollm2_135m` generates (from its cache;
+built first when missing); it trains nothing into checkpoints/. Prints one JSON line per data share: the held-out
 chain AAL over all held-out answers, and per 100 steps val_chain_aal, train and held-out acc@1.
 """
 
@@ -20,8 +20,7 @@ from hydra import compose, initialize_config_dir
 
 from bastion.compose import build
 from bastion.drafters.dflash import DFlashDrafter, evenly_spaced_layers, new_dflash_config
-from bastion.train.cli import mask_token
-from bastion.train.data import load_selfdistill
+from bastion.train.cli import mask_token, self_distillation
 from bastion.train.dflash import chain_aal, most_frequent_tokens, train_dflash
 from bastion.train.examples import split_examples, to_examples
 
@@ -33,9 +32,9 @@ def main(steps: int) -> None:
         cfg = compose("training", overrides=["drafter=dflash", "target=smollm2_135m", "device=cpu"])
     target = build(cfg.target, name=cfg.target.name)
     target.model.requires_grad_(False)
-    examples, held_out = split_examples(to_examples(load_selfdistill(Path(cfg.data.dir))), cfg.data.val_fraction)
-    recipe, optim = cfg.recipe, dict(cfg.recipe.optim)
     layers = evenly_spaced_layers(target.args.n_layers, cfg.data.n_feature_layers)
+    examples, held_out = split_examples(to_examples(self_distillation(cfg, target, tuple(layers))), cfg.data.val_fraction)
+    recipe, optim = cfg.recipe, dict(cfg.recipe.optim)
     vocab, _ = most_frequent_tokens(examples, recipe.draft_vocab, target.args.vocab_size)
     for share in (0.5, 1.0):
         torch.manual_seed(cfg.seed)

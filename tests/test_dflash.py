@@ -15,7 +15,7 @@ from bastion.budget.fixed import FixedBudget
 from bastion.drafters.base import DraftContext
 from bastion.drafters.dflash import DFlashDrafter, evenly_spaced_layers, load_dflash, new_dflash_config
 from bastion.engine import generate
-from bastion.train.data import training_prompts
+from bastion.train.data import file_prompts
 from bastion.train.dflash import chain_aal
 from bastion.train.examples import Example
 from bastion.tree.best_first import best_first
@@ -150,7 +150,7 @@ def test_chain_aal_walks_the_steps_chain_decoding_takes(smollm2_packed):
     many steps as chain decoding those prompts does (SmolLM2 and the committed drafter)."""
     target = smollm2_packed
     drafter = load_dflash(target, str(ROOT / "checkpoints" / "dflash_smollm2_135m"))
-    prompts = [chat_tokens(target.tokenizer, [{"role": "user", "content": text}]) for _, text in training_prompts({"gsm8k": 1}, 4, seed=5)]
+    prompts = [chat_tokens(target.tokenizer, [{"role": "user", "content": text}]) for _, text in file_prompts("gsm8k", 4, seed=5)]
     layers = tuple(drafter.config["dflash_config"]["target_layer_ids"])
     answers = generate(target, prompts, max_new_tokens=64, record=layers).generations
     walked, decoded = [], []

@@ -1,9 +1,11 @@
-"""Self-distillation data and drafter training on a tiny target: shards resume, training
-learns and resumes from its last checkpoint, train.py writes a loadable drafter."""
+"""Self-distillation data and drafter training on a tiny target: shards resume and grow,
+training learns and resumes from its last checkpoint (only its own), train.py writes a
+loadable drafter; the target writes its own chat requests (SmolLM2)."""
 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -13,7 +15,7 @@ import torch
 from bastion.drafters.dflash import DFlashDrafter, new_dflash_config
 from bastion.drafters.flexdraft import FlexDraftDrafter, load_flexdraft
 from bastion.models.target import load_target
-from bastion.train.data import build_selfdistill, load_selfdistill, training_prompts
+from bastion.train.data import build_selfdistill, chat_prompts, file_prompts, source_counts, user_turn_prefix
 from bastion.train.dflash import train_dflash
 from bastion.train.examples import split_examples, to_examples
 from bastion.train.flexdraft import train_flexdraft
@@ -30,8 +32,11 @@ def tiny():
 @pytest.fixture(scope="module")
 def data(tiny, tmp_path_factory):
     out = tmp_path_factory.mktemp("selfdistill")
-    prompts = training_prompts({"gsm8k": 1, "mbpp": 1}, 6, seed=0)
-    return out, build_selfdistill(tiny, out, prompts, layers=(0, 1), max_new_tokens=12, batch_size=2)
+    return out, build_selfdistill(tiny, out, file_prompts("gsm8k", 6), layers=(0, 1), max_new_tokens=12, batch_size=2)
+
+
+def mtimes(out):
+    return {p.parent.name: p.stat().st_mtime_ns for p in out.glob("shard_*/dataset_info.json")}
 
 
 def test_selfdistill_is_the_targets_own_greedy_answers_and_resumes(tiny, data):
@@ -43,15 +48,44 @@ def test_selfdistill_is_the_targets_own_greedy_answers_and_resumes(tiny, data):
 
     prompt = row["input_ids"][: row["answer_start"]].tolist()
     assert generate(tiny, [prompt], max_new_tokens=12).generations[0].tokens == row["input_ids"][row["answer_start"]:].tolist()
-    first = (out / "shard_00000" / "dataset_info.json").stat().st_mtime_ns
-    import shutil
-
+    built = mtimes(out)
     shutil.rmtree(out / "shard_00002")
-    prompts = training_prompts({"gsm8k": 1, "mbpp": 1}, 6, seed=0)
-    assert len(build_selfdistill(tiny, out, prompts, layers=(0, 1), max_new_tokens=12, batch_size=2)) == 6
-    assert (out / "shard_00000" / "dataset_info.json").stat().st_mtime_ns == first  # kept, not rebuilt
-    with pytest.raises(FileNotFoundError, match="incomplete"):
-        load_selfdistill(out, n_shards=4)
+    assert len(build_selfdistill(tiny, out, file_prompts("gsm8k", 6), layers=(0, 1), max_new_tokens=12, batch_size=2)) == 6
+    assert mtimes(out)["shard_00000"] == built["shard_00000"]  # kept, not rebuilt
+
+
+def test_more_prompts_reuse_the_shards_built_and_changed_shards_are_rebuilt(tiny, tmp_path):
+    assert file_prompts("gsm8k", 9)[:6] == file_prompts("gsm8k", 6)  # a source's order does not depend on n
+    build_selfdistill(tiny, tmp_path, file_prompts("gsm8k", 4), layers=(0,), max_new_tokens=4, batch_size=2)
+    built = mtimes(tmp_path)
+    grown = build_selfdistill(tiny, tmp_path, file_prompts("gsm8k", 6), layers=(0,), max_new_tokens=4, batch_size=2)
+    assert len(grown) == 6 and {k: v for k, v in mtimes(tmp_path).items() if k in built} == built
+    rebatched = build_selfdistill(tiny, tmp_path, file_prompts("gsm8k", 6), layers=(0,), max_new_tokens=4, batch_size=3)
+    assert len(rebatched) == 6 and sorted(rebatched["id"]) == sorted(grown["id"])
+    assert mtimes(tmp_path)["shard_00000"] != built["shard_00000"]  # other prompts in it now: rebuilt
+
+
+def test_source_counts_follow_the_mix_and_bad_sources_are_refused():
+    assert source_counts({"gsm8k": 0.4, "math": 0.3, "mbpp": 0.1, "chat": 0.2}, 1440) == {"gsm8k": 576, "math": 432, "mbpp": 144, "chat": 288}
+    with pytest.raises(ValueError, match="Unknown training sources"):
+        source_counts({"sharegpt": 1}, 10)
+    with pytest.raises(ValueError, match="mbpp has 464 prompts"):
+        file_prompts("mbpp", 500)
+
+
+def test_an_untrained_target_writing_no_chat_request_is_refused(tiny, tmp_path):
+    with pytest.raises(RuntimeError, match="no usable chat request in 5 rounds"):
+        chat_prompts(tiny, 1, tmp_path, batch_size=2, max_new_tokens=3)
+
+
+@pytest.mark.slow
+def test_chat_requests_are_the_targets_own_and_the_list_grows_in_order(smollm2, tmp_path):
+    assert smollm2.tokenizer.decode(user_turn_prefix(smollm2.tokenizer)).endswith("<|im_end|>\n<|im_start|>user\n")
+    first = chat_prompts(smollm2, 3, tmp_path, batch_size=8, max_new_tokens=64)
+    assert [pid for pid, _ in first] == ["chat/0", "chat/1", "chat/2"] and len({text for _, text in first}) == 3
+    assert all(len(text.split()) >= 3 and "<|im_" not in text for _, text in first)
+    assert chat_prompts(smollm2, 3, tmp_path, batch_size=8, max_new_tokens=64) == first  # cached
+    assert chat_prompts(smollm2, 12, tmp_path, batch_size=8, max_new_tokens=64)[:3] == first
 
 
 @pytest.mark.parametrize("kind", ["dflash", "flexdraft"])
@@ -72,11 +106,13 @@ def test_training_learns_and_resumes(tiny, data, kind, tmp_path):
     # a rerun with more steps resumes at step 30 and keeps the log
     log = train(drafter, examples, state, steps=40, log_every=10, save_every=10, val_examples=val_examples, val_every=10, **kw)
     assert [r["step"] for r in log] == [10, 20, 30, 40]
+    with pytest.raises(ValueError, match="training run on other data or settings"):
+        train(drafter, examples, state, steps=50, run_key={"data": "other"}, val_examples=val_examples, **kw)
 
 
 def test_train_py_end_to_end(tmp_path):
     args = ["target=tiny_qwen3", "drafter=flexdraft", f"cache_dir={tmp_path}", "data.n_prompts=4", "data.batch_size=2",
-            "data.max_new_tokens=8", "recipe.tuned_layers=1", "recipe.group_size=4", "recipe.calibration_hidden=8",
+            "data.max_new_tokens=8", "~data.mix.chat", "recipe.tuned_layers=1", "recipe.group_size=4", "recipe.calibration_hidden=8",
             "recipe.optim.steps=3", "recipe.optim.anchors=4", f"recipe.output_dir={tmp_path / 'out'}", f"hydra.run.dir={tmp_path / 'run'}"]
     result = subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]

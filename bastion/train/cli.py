@@ -7,12 +7,13 @@ import time
 from pathlib import Path
 
 import torch
+from datasets import concatenate_datasets
 from omegaconf import DictConfig, OmegaConf
 
 from bastion.compose import build_target, resolve_device
 from bastion.drafters.dflash import DFlashDrafter, evenly_spaced_layers, new_dflash_config
 from bastion.drafters.flexdraft import FlexDraftDrafter
-from bastion.train.data import build_selfdistill, training_prompts
+from bastion.train.data import build_selfdistill, chat_prompts, file_prompts, source_counts
 from bastion.train.dflash import most_frequent_tokens, train_dflash
 from bastion.train.examples import split_examples, to_examples
 from bastion.train.flexdraft import train_flexdraft
@@ -37,6 +38,10 @@ def train(cfg: DictConfig) -> None:
     examples, val_examples = split_examples(to_examples(self_distillation(cfg, target, layers)), cfg.data.val_fraction)
     recipe, state = cfg.recipe, Path(cfg.recipe.work_dir) / "train_state.pt"
     optim = OmegaConf.to_container(recipe.optim)
+    # What the run learns from; its length (steps) may grow on a resume.
+    optim["run_key"] = {"data": OmegaConf.to_container(cfg.data), "recipe": OmegaConf.to_container(recipe),
+                        "target": cfg.target.name, "seed": cfg.seed}
+    optim["run_key"]["recipe"]["optim"].pop("steps")
     if cfg.drafter.name == "dflash":
         config = new_dflash_config(target, recipe.layers, recipe.block_size, list(layers), mask_token(cfg, target), recipe.draft_vocab)
         drafter = DFlashDrafter(config, target).to(target.device)
@@ -67,15 +72,18 @@ def mask_token(cfg: DictConfig, target) -> int:
 
 
 def self_distillation(cfg: DictConfig, target, layers: tuple[int, ...]):
-    """Build or reuse the target's self-distillation data (features recorded at `layers`)."""
+    """Build or reuse the target's self-distillation data (features recorded at `layers`),
+    one folder per source of `data.mix`."""
     d = cfg.data
     out = Path(d.dir)
-    meta = {"target": target.name, "layers": list(layers), "n_prompts": d.n_prompts, "mix": dict(d.mix),
-            "max_new_tokens": d.max_new_tokens, "seed": cfg.seed}
+    meta = {"target": target.name, "layers": list(layers), "max_new_tokens": d.max_new_tokens, "seed": cfg.seed}
     meta_path = out / "meta.json"
     if meta_path.exists() and json.loads(meta_path.read_text()) != meta:
         raise ValueError(f"{out} holds self-distillation data made with other settings ({meta_path}); delete it or set data.dir.")
     out.mkdir(parents=True, exist_ok=True)
     meta_path.write_text(json.dumps(meta))
-    prompts = training_prompts(dict(d.mix), d.n_prompts, cfg.seed)
-    return build_selfdistill(target, out, prompts, layers, d.max_new_tokens, d.batch_size)
+    parts = []
+    for name, count in source_counts(dict(d.mix), d.n_prompts).items():
+        prompts = chat_prompts(target, count, out / name, cfg.seed) if name == "chat" else file_prompts(name, count, cfg.seed)
+        parts.append(build_selfdistill(target, out / name, prompts, layers, d.max_new_tokens, d.batch_size))
+    return concatenate_datasets(parts)

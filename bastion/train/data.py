@@ -2,13 +2,20 @@
 
 A drafter should predict what *this* target says, so its training answers are the target's
 greedy outputs (chat template applied), recorded with the target's hidden states at the
-drafter's feature layers (captured while decoding, at no extra cost). Stored as a `datasets`
-dataset in shards; an interrupted build resumes at the first missing shard.
+drafter's feature layers (captured while decoding, at no extra cost).
+
+Stored as `datasets` shards, one folder per source (`<dir>/<source>/shard_k`). Each source's
+prompts come in a seeded order that does not depend on how many are asked for, cut into shards
+of `batch_size` prompts, so a bigger `n_prompts` or another mix reuses every shard already
+built; a shard is rebuilt only when its prompt ids changed, and an interrupted build resumes at
+the first missing shard.
 """
 
 from __future__ import annotations
 
+import json
 import random
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -18,34 +25,80 @@ from tqdm import tqdm
 from bastion.bench.datasets import REASON, chat_tokens, default_data_dir, read_jsonl
 from bastion.engine import generate
 from bastion.models.target import Target
+from bastion.sampling import Sampling
 
 # Training splits only: never a test set that the benchmarks report.
-SOURCES = {
+FILE_SOURCES = {
     "gsm8k": (("gsm8k/train.jsonl",), lambda r: r["question"] + REASON),
     "math": (("math/train.jsonl",), lambda r: r["problem"] + REASON),
     "mbpp": (("mbpp/full-train.jsonl", "mbpp/full-validation.jsonl"), lambda r: r["text"]),
 }
+# "chat": requests the target writes itself (see chat_prompts); the offline data has no chat training split.
+SOURCES = (*FILE_SOURCES, "chat")
+BARREN_ROUNDS = 5
 
 
-def training_prompts(mix: dict[str, float], n: int, seed: int = 0, data_dir: str | Path | None = None) -> list[tuple[str, str]]:
-    """n (id, text) prompts drawn from the sources in proportion to `mix`, in a seeded order."""
-    root = Path(data_dir or default_data_dir())
+def source_counts(mix: dict[str, float], n: int) -> dict[str, int]:
+    """How many of the n prompts each source gives, in proportion to `mix`."""
     unknown = set(mix) - set(SOURCES)
     if unknown:
         raise ValueError(f"Unknown training sources {sorted(unknown)}; known: {', '.join(SOURCES)}.")
-    rng = random.Random(seed)
     total = sum(mix.values())
-    prompts = []
-    for name, weight in mix.items():
-        files, text_of = SOURCES[name]
-        missing = [f for f in files if not (root / f).exists()]
-        if missing:
-            raise FileNotFoundError(f"Training data {root / missing[0]} is missing; set BASTION_DATA to a ../shared/data layout.")
-        records = [(f"{name}/{f}/{i}", text_of(r)) for f in files for i, r in enumerate(read_jsonl(root / f))]
-        rng.shuffle(records)
-        prompts += records[: round(n * weight / total)]
-    rng.shuffle(prompts)
-    return prompts[:n]
+    return {name: round(n * weight / total) for name, weight in mix.items() if round(n * weight / total)}
+
+
+def file_prompts(name: str, count: int, seed: int = 0, data_dir: str | Path | None = None) -> list[tuple[str, str]]:
+    """The first `count` (id, text) prompts of a file source in its seeded order."""
+    root = Path(data_dir or default_data_dir())
+    files, text_of = FILE_SOURCES[name]
+    missing = [f for f in files if not (root / f).exists()]
+    if missing:
+        raise FileNotFoundError(f"Training data {root / missing[0]} is missing; set BASTION_DATA to a ../shared/data layout.")
+    records = [(f"{name}/{f}/{i}", text_of(r)) for f in files for i, r in enumerate(read_jsonl(root / f))]
+    if count > len(records):
+        raise ValueError(f"Training source {name} has {len(records)} prompts; the mix asks for {count}.")
+    random.Random(f"{seed}/{name}").shuffle(records)
+    return records[:count]
+
+
+def chat_prompts(target: Target, count: int, cache: Path, seed: int = 0, *, batch_size: int = 64,
+                 max_new_tokens: int = 96) -> list[tuple[str, str]]:
+    """`count` user requests written by the target itself, sampled (T=1, top-p 0.95) right after
+    the chat template opens a user turn (the Magpie recipe). Without them a drafter learns math
+    and code only, and MT-Bench's 80 questions are a test set. Kept are requests that end their
+    turn, have 3 to 200 words and are new; the list is cached in order (`cache/prompts.json`),
+    so asking for more continues it. A target that writes no usable request in `BARREN_ROUNDS`
+    rounds in a row (an untrained one) is refused."""
+    path = cache / "prompts.json"
+    state = json.loads(path.read_text()) if path.exists() else {"rounds": 0, "prompts": []}
+    prefix, tok = user_turn_prefix(target.tokenizer), target.tokenizer
+    seen, barren = set(state["prompts"]), 0
+    with tqdm(total=count, initial=min(len(seen), count), desc="chat prompts", unit="prompt") as bar:
+        while len(state["prompts"]) < count:
+            if barren == BARREN_ROUNDS:
+                raise RuntimeError(f"{target.name} wrote no usable chat request in {barren} rounds of {batch_size}; drop chat from data.mix.")
+            decoding = generate(target, [prefix] * batch_size, max_new_tokens=max_new_tokens,
+                                sampling=Sampling(temperature=1.0, top_p=0.95), seed=seed * 1_000_003 + state["rounds"])
+            state["rounds"], before = state["rounds"] + 1, len(state["prompts"])
+            for gen in decoding.generations:
+                text = tok.decode(gen.tokens[:-1], skip_special_tokens=True).strip()
+                if gen.finish == "eos" and 3 <= len(text.split()) <= 200 and text not in seen:
+                    seen.add(text)
+                    state["prompts"].append(text)
+                    bar.update(len(state["prompts"]) <= count)
+            barren = 0 if len(state["prompts"]) > before else barren + 1
+            cache.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(state, indent=0))
+    return [(f"chat/{i}", text) for i, text in enumerate(state["prompts"][:count])]
+
+
+def user_turn_prefix(tokenizer) -> list[int]:
+    """Token ids of the chat template up to where a user message's text starts."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("The chat training source needs a tokenizer with a chat template.")
+    marker = "\x00MESSAGE\x00"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False)
+    return tokenizer.encode(text[: text.index(marker)], add_special_tokens=False)
 
 
 def build_selfdistill(
@@ -56,7 +109,7 @@ def build_selfdistill(
     max_new_tokens: int = 256,
     batch_size: int = 32,
 ) -> Dataset:
-    """Decode `prompts` with the target in batches; one shard per batch under out_dir."""
+    """Decode `prompts` (one source, in order) with the target; one shard per batch under out_dir."""
     out_dir.mkdir(parents=True, exist_ok=True)
     n_features = len(layers) * target.args.hidden_size
     schema = Features({
@@ -65,12 +118,12 @@ def build_selfdistill(
         "answer_start": Value("int32"),
         "features": Array2D(shape=(None, n_features), dtype="float16"),
     })
-    # Batches of similar prompt length waste little prefill on padding.
-    encoded = sorted(((pid, chat_tokens(target.tokenizer, [{"role": "user", "content": text}])) for pid, text in prompts), key=lambda p: len(p[1]))
-    batches = [encoded[i : i + batch_size] for i in range(0, len(encoded), batch_size)]
-    for k, batch in enumerate(tqdm(batches, desc="self-distillation", unit="batch")):
-        shard = out_dir / f"shard_{k:05d}"
-        if (shard / "dataset_info.json").exists():
+    encoded = [(pid, chat_tokens(target.tokenizer, [{"role": "user", "content": text}])) for pid, text in prompts]
+    # Sorted by length inside a batch: little prefill wasted on padding, same shards for any n.
+    batches = [sorted(encoded[i : i + batch_size], key=lambda p: len(p[1])) for i in range(0, len(encoded), batch_size)]
+    shards = [out_dir / f"shard_{k:05d}" for k in range(len(batches))]
+    for shard, batch in zip(tqdm(shards, desc=f"self-distillation {out_dir.name}", unit="batch"), batches):
+        if shard_ids(shard) == [pid for pid, _ in batch]:
             continue
         tokens = [t for _, t in batch]
         decoding = generate(target, tokens, max_new_tokens=max_new_tokens, record=layers)
@@ -80,12 +133,13 @@ def build_selfdistill(
             rows["input_ids"].append(prompt + gen.tokens)
             rows["answer_start"].append(len(prompt))
             rows["features"].append(gen.features.numpy().astype(np.float16))
+        shutil.rmtree(shard, ignore_errors=True)
         Dataset.from_dict(rows, features=schema).save_to_disk(str(shard))
-    return load_selfdistill(out_dir, len(batches))
+    return concatenate_datasets([load_from_disk(str(s)) for s in shards])
 
 
-def load_selfdistill(out_dir: Path, n_shards: int | None = None) -> Dataset:
-    shards = sorted(p for p in Path(out_dir).glob("shard_*") if (p / "dataset_info.json").exists())
-    if not shards or (n_shards is not None and len(shards) < n_shards):
-        raise FileNotFoundError(f"Self-distillation data in {out_dir} is incomplete; rerun the training command to finish it.")
-    return concatenate_datasets([load_from_disk(str(p)) for p in shards[:n_shards]])
+def shard_ids(shard: Path) -> list[str] | None:
+    """The prompt ids a finished shard holds (None when it is missing or unfinished)."""
+    if not (shard / "dataset_info.json").exists():
+        return None
+    return load_from_disk(str(shard))["id"]

@@ -40,11 +40,15 @@ def train_loop(
     val_batches: list | None = None,
     val_every: int = 100,
     val_metrics: Callable[[], dict] | None = None,
+    run_key: dict | None = None,
 ) -> list[dict]:
     """Optimise `module` in place; resumable from `state_path`. Returns the log records
     (mean loss, accuracy per draft position, seconds per step, every `log_every` steps; and
     every `val_every` steps the loss and accuracy on `val_batches`, held-out data that shows
-    over-fitting, and whatever `val_metrics` measures on held-out data)."""
+    over-fitting, and whatever `val_metrics` measures on held-out data).
+
+    `run_key` names what the run learns from (data and recipe, not its length): a saved state
+    with another key is refused rather than resumed, so new data never continues an old run."""
     for group in param_groups:
         group["peak"] = group["lr"]
     optimizer = torch.optim.AdamW(param_groups, betas=(0.9, 0.95), weight_decay=0.0)
@@ -53,6 +57,8 @@ def train_loop(
     start, log = 0, []
     if state_path.exists():
         state = torch.load(state_path, weights_only=False)
+        if state.get("key") != run_key:
+            raise ValueError(f"{state_path} is a training run on other data or settings; delete it to start over, or set recipe.work_dir.")
         module.load_state_dict(state["drafter"])
         optimizer.load_state_dict(state["optimizer"])
         gen.set_state(state["generator"])
@@ -84,7 +90,7 @@ def train_loop(
             losses, t0 = [], time.time()
         if (step + 1) % save_every == 0 or step + 1 == steps:
             save_state(state_path, {"drafter": module.state_dict(), "optimizer": optimizer.state_dict(),
-                                    "generator": gen.get_state(), "step": step + 1, "log": log})
+                                    "generator": gen.get_state(), "step": step + 1, "log": log, "key": run_key})
     module.eval()
     return log
 
