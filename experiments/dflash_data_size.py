@@ -4,8 +4,9 @@ and on all of the self-distillation answers, judged by val_chain_aal on the same
     python experiments/dflash_data_size.py [steps]      # SmolLM2-135M, 600 steps: ~20 min on 2 cores
 
 Uses the data `python train.py drafter=dflash target=smollm2_135m` generates (from its cache;
-built first when missing); it trains nothing into checkpoints/. Prints one JSON line per data share: the held-out
-chain AAL over all held-out answers, and per 100 steps val_chain_aal, train and held-out acc@1.
+built first when missing); it trains nothing into checkpoints/. Prints one JSON line per data
+share: the held-out chain AAL over all held-out answers, and per 100 steps val_chain_aal, train
+and held-out acc@1.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 from bastion.compose import build_target, resolve_device
 from bastion.drafters.dflash import DFlashDrafter, evenly_spaced_layers, new_dflash_config
 from bastion.drafters.flexdraft import FlexDraftDrafter
-from bastion.train.data import build_selfdistill, chat_prompts, file_prompts, source_counts
+from bastion.train.data import build_selfdistill, source_counts, source_prompts
 from bastion.train.dflash import most_frequent_tokens, train_dflash
 from bastion.train.examples import split_examples, to_examples
 from bastion.train.flexdraft import train_flexdraft
@@ -84,6 +84,6 @@ def self_distillation(cfg: DictConfig, target, layers: tuple[int, ...]):
     meta_path.write_text(json.dumps(meta))
     parts = []
     for name, count in source_counts(dict(d.mix), d.n_prompts).items():
-        prompts = chat_prompts(target, count, out / name, cfg.seed) if name == "chat" else file_prompts(name, count, cfg.seed)
+        prompts = source_prompts(target, name, count, out / name, cfg.seed)
         parts.append(build_selfdistill(target, out / name, prompts, layers, d.max_new_tokens, d.batch_size))
     return concatenate_datasets(parts)

@@ -47,6 +47,11 @@ def source_counts(mix: dict[str, float], n: int) -> dict[str, int]:
     return {name: round(n * weight / total) for name, weight in mix.items() if round(n * weight / total)}
 
 
+def source_prompts(target: Target, name: str, count: int, out_dir: Path, seed: int = 0) -> list[tuple[str, str]]:
+    """The first `count` (id, text) prompts of source `name` (its data folder: out_dir)."""
+    return chat_prompts(target, count, out_dir, seed) if name == "chat" else file_prompts(name, count, seed)
+
+
 def file_prompts(name: str, count: int, seed: int = 0, data_dir: str | Path | None = None) -> list[tuple[str, str]]:
     """The first `count` (id, text) prompts of a file source in its seeded order."""
     root = Path(data_dir or default_data_dir())
