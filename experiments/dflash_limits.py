@@ -25,10 +25,8 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from bastion.compose import build
-from bastion.drafters.dflash import DFlashDrafter, evenly_spaced_layers, new_dflash_config
-from bastion.train.cli import mask_token, self_distillation
-from bastion.train.dflash import chain_aal, most_frequent_tokens, train_dflash
-from bastion.train.examples import split_examples, to_examples
+from bastion.train.cli import new_dflash_drafter, training_examples
+from bastion.train.dflash import chain_aal, train_dflash
 
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = {  # name -> what differs from the recipe
@@ -48,21 +46,16 @@ def main(steps: int, names: list[str]) -> None:
         cfg = compose("training", overrides=["drafter=dflash", "target=smollm2_135m", "device=cpu"])
     target = build(cfg.target, name=cfg.target.name)
     target.model.requires_grad_(False)
-    layers = evenly_spaced_layers(target.args.n_layers, cfg.data.n_feature_layers)
-    examples, held_out = split_examples(to_examples(self_distillation(cfg, target, tuple(layers))), cfg.data.val_fraction)
-    recipe, optim = cfg.recipe, dict(cfg.recipe.optim)
-    vocab, _ = most_frequent_tokens(examples, recipe.draft_vocab, target.args.vocab_size)
+    layers, examples, held_out = training_examples(cfg, target)
+    recipe = cfg.recipe
+    loop = {**recipe.optim, "steps": steps, "save_every": steps, "log_every": 100}
     for name in names:
         knobs = {"layers": recipe.layers, "block_size": recipe.block_size, "data_share": 1.0, **VARIANTS[name]}
         torch.manual_seed(cfg.seed)
-        config = new_dflash_config(target, knobs["layers"], knobs["block_size"], layers, mask_token(cfg, target), recipe.draft_vocab)
-        drafter = DFlashDrafter(config, target)
-        drafter.set_draft_vocab(vocab)
+        drafter = new_dflash_drafter(cfg, target, layers, examples, knobs["layers"], knobs["block_size"])
         train = examples[: int(len(examples) * knobs["data_share"])]
         with tempfile.TemporaryDirectory() as tmp:
-            log = train_dflash(drafter, train, Path(tmp) / "state.pt", steps=steps, lr=optim["lr"], warmup=optim["warmup"],
-                               seqs_per_step=optim["seqs_per_step"], anchors=optim["anchors"], gamma=optim["gamma"],
-                               val_examples=held_out, save_every=steps, log_every=100, val_every=100, seed=cfg.seed)
+            log = train_dflash(drafter, train, Path(tmp) / "state.pt", **loop, val_examples=held_out, val_every=100, seed=cfg.seed)
         drafter.eval()
         print(json.dumps({"variant": name, **knobs, "train_answers": len(train), "held_out_answers": len(held_out),
                           "s_per_step": round(sum(r["s_per_step"] for r in log) / len(log), 3),

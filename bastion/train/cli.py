@@ -34,8 +34,7 @@ def train(cfg: DictConfig) -> None:
     started = time.time()
     target = build_target(cfg)  # packed on CPU: generating the data is inference (training runs plain kernels)
     target.model.requires_grad_(False)
-    layers = tuple(evenly_spaced_layers(target.args.n_layers, cfg.data.n_feature_layers))
-    examples, val_examples = split_examples(to_examples(self_distillation(cfg, target, layers)), cfg.data.val_fraction)
+    layers, examples, val_examples = training_examples(cfg, target)
     recipe, state = cfg.recipe, Path(cfg.recipe.work_dir) / "train_state.pt"
     optim = OmegaConf.to_container(recipe.optim)
     # What the run learns from; its length (steps) may grow on a resume.
@@ -43,12 +42,7 @@ def train(cfg: DictConfig) -> None:
                         "target": cfg.target.name, "seed": cfg.seed}
     optim["run_key"]["recipe"]["optim"].pop("steps")
     if cfg.drafter.name == "dflash":
-        config = new_dflash_config(target, recipe.layers, recipe.block_size, list(layers), mask_token(cfg, target), recipe.draft_vocab)
-        drafter = DFlashDrafter(config, target).to(target.device)
-        if recipe.draft_vocab:
-            vocab, coverage = most_frequent_tokens(examples, recipe.draft_vocab, target.args.vocab_size)
-            drafter.set_draft_vocab(vocab)
-            print(f"draft vocabulary: {len(vocab)} tokens cover {coverage:.2%} of the answer tokens")
+        drafter = new_dflash_drafter(cfg, target, layers, examples, recipe.layers, recipe.block_size)
         log = train_dflash(drafter, examples, state, **optim, seed=cfg.seed, val_examples=val_examples)
     else:
         drafter = FlexDraftDrafter(target, recipe.tuned_layers, recipe.group_size, recipe.calibration_hidden,
@@ -59,6 +53,27 @@ def train(cfg: DictConfig) -> None:
     (out / "train_config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     write_log(out / "train_log.jsonl", log)
     print(f"saved {out} ({(time.time() - started) / 60:.1f} min this run); last log: {json.dumps(log[-1])}")
+
+
+def training_examples(cfg: DictConfig, target) -> tuple[tuple[int, ...], list, list]:
+    """The target feature layers recorded, and the self-distillation answers split into training
+    and held-out examples."""
+    layers = tuple(evenly_spaced_layers(target.args.n_layers, cfg.data.n_feature_layers))
+    examples, val_examples = split_examples(to_examples(self_distillation(cfg, target, layers)), cfg.data.val_fraction)
+    return layers, examples, val_examples
+
+
+def new_dflash_drafter(cfg: DictConfig, target, layers: tuple[int, ...], examples: list, n_layers: int, block_size: int) -> DFlashDrafter:
+    """An untrained DFlash drafter for the target, its draft vocabulary (when the recipe has one)
+    the most frequent answer tokens of `examples`."""
+    draft_vocab = cfg.recipe.draft_vocab
+    config = new_dflash_config(target, n_layers, block_size, list(layers), mask_token(cfg, target), draft_vocab)
+    drafter = DFlashDrafter(config, target).to(target.device)
+    if draft_vocab:
+        vocab, coverage = most_frequent_tokens(examples, draft_vocab, target.args.vocab_size)
+        drafter.set_draft_vocab(vocab)
+        print(f"draft vocabulary: {len(vocab)} tokens cover {coverage:.2%} of the answer tokens")
+    return drafter
 
 
 def mask_token(cfg: DictConfig, target) -> int:
