@@ -6,12 +6,12 @@ AAL: the acceptance length chain decoding gets at temperature 0 on answers never
     python experiments/dflash_limits.py 600 base half_data      # ~15 min on 2 cores
 
 Variants: base (the recipe in conf/recipe/dflash.yaml), half_data (half the training answers),
-layers_3 (3 draft layers), block_4 and block_16 (the block, root included). Uses the data
-`python train.py drafter=dflash target=smollm2_135m` generates (from its cache; built first when
-missing); it trains nothing into checkpoints/. Prints one JSON line per variant: seconds per
-step, the held-out chain AAL over all held-out answers, and per 100 steps val_chain_aal, train
-and held-out acc@1. Steps cost differently (a third layer or a longer block costs more), so
-compare at equal time too.
+layers_3 (3 draft layers), block_8 and block_16 (the block, root included; the recipe's is 4).
+Uses the data `python train.py drafter=dflash target=smollm2_135m` generates (from its cache;
+built first when missing); it trains nothing into checkpoints/. Prints one JSON line per
+variant: seconds per step, the held-out chain AAL over all held-out answers, and per 100 steps
+val_chain_aal, train and held-out acc@1. Steps cost differently (a third layer or a longer block
+costs more), so compare at equal time too.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ VARIANTS = {  # name -> what differs from the recipe
     "base": {},
     "half_data": {"data_share": 0.5},
     "layers_3": {"layers": 3},
-    "block_4": {"block_size": 4},
+    "block_8": {"block_size": 8},
     "block_16": {"block_size": 16},
 }
 
