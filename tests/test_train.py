@@ -19,6 +19,7 @@ from bastion.train.data import build_selfdistill, chat_prompts, file_prompts, so
 from bastion.train.dflash import train_dflash
 from bastion.train.examples import split_examples, to_examples
 from bastion.train.flexdraft import train_flexdraft
+from bastion.train.loop import train_loop
 from tests.conftest import ROOT, target_config
 
 
@@ -108,6 +109,14 @@ def test_training_learns_and_resumes(tiny, data, kind, tmp_path):
     assert [r["step"] for r in log] == [10, 20, 30, 40]
     with pytest.raises(ValueError, match="training run on other data or settings"):
         train(drafter, examples, state, steps=50, run_key={"data": "other"}, val_examples=val_examples, **kw)
+
+
+def test_weight_decay_shrinks_weights_by_lr_times_decay_per_step(tmp_path):
+    layer = torch.nn.Linear(3, 3, bias=False)
+    before = layer.weight.detach().clone()
+    zero_loss = lambda batch: ((layer.weight * 0).sum(), torch.zeros(1), torch.ones(1))  # a zero gradient: only the decay moves it
+    train_loop(layer, [{"params": [layer.weight], "lr": 0.1}], lambda gen: None, zero_loss, tmp_path / "state.pt", steps=1, weight_decay=0.5)
+    torch.testing.assert_close(layer.weight.detach(), before * (1 - 0.1 * 0.5))
 
 
 def test_train_py_end_to_end(tmp_path):

@@ -33,6 +33,7 @@ def train_loop(
     steps: int,
     warmup: float = 0.04,
     grad_clip: float = 1.0,
+    weight_decay: float = 0.0,
     save_every: int = 50,
     log_every: int = 20,
     seed: int = 0,
@@ -51,7 +52,7 @@ def train_loop(
     with another key is refused rather than resumed, so new data never continues an old run."""
     for group in param_groups:
         group["peak"] = group["lr"]
-    optimizer = torch.optim.AdamW(param_groups, betas=(0.9, 0.95), weight_decay=0.0)
+    optimizer = torch.optim.AdamW(param_groups, betas=(0.9, 0.95), weight_decay=weight_decay)
     params = [p for g in param_groups for p in g["params"]]
     gen = torch.Generator().manual_seed(seed)
     start, log = 0, []
