@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from bastion.drafters.base import DraftContext, Drafter
+from bastion.models.kv_cache import fill_holes
 from bastion.models.target import Target
 from bastion.tree.draft_tree import DraftTree, pack
 from bastion.sampling import GREEDY, Sampling, pick
@@ -136,26 +137,23 @@ def generate(
     extra = drafter.extra_tokens(max_nodes) if rides_along else 0
     capacity = max(len(p) for p in prompts) + max_new_tokens + max_nodes + 1 + extra
     cache = target.new_cache(len(prompts), capacity)
+    active = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # the prompt each cache row decodes
+    rows = [prompts[i] for i in active]  # shortest first, so that prefill chunks waste little on padding
 
-    # Prefill: every prompt in one forward, right-padded; the first new token comes from its last position.
     t0 = _now(device)
-    width = max(len(p) for p in prompts)
-    tokens = torch.tensor([p + [0] * (width - len(p)) for p in prompts], device=device)
-    depths = torch.arange(width, device=device).expand(len(prompts), width)
-    causal = torch.ones(width, width, dtype=torch.bool, device=device).tril().expand(len(prompts), width, width)
-    hidden, features = target.forward(tokens, depths, causal, cache, capture)
-    cache.commit([list(range(len(p))) for p in prompts])
-    last = torch.tensor([len(p) - 1 for p in prompts], device=device)
+    last_hidden, features = _prefill(target, rows, cache, capture)
     generator = None if sampling.greedy else torch.Generator(device=device).manual_seed(seed)
-    first = pick(target.logits(hidden[torch.arange(len(prompts), device=device), last]), sampling, generator)
+    first = pick(target.logits(last_hidden), sampling, generator)
     decoding = Decoding([Generation([], "") for _ in prompts], prefill_s=_now(device) - t0)
-    recorded = [[features[b, : len(p)].to("cpu", torch.float16)] for b, p in enumerate(prompts)] if record else None
+    recorded = [[] for _ in prompts]  # per prompt: its recorded features, prefill first
+    if record:
+        for row, (i, p) in enumerate(zip(active, rows)):
+            recorded[i].append(features[row, : len(p)].to("cpu", torch.float16))
 
-    active = list(range(len(prompts)))  # the prompt each cache row decodes
     keep = _extend_outputs(decoding, active, [[t] for t in first], stopper, step=False)
     if drafter is not None:
         drafter.reset(len(prompts), capacity)
-    ctx = DraftContext([list(p) + [t] for p, t in zip(prompts, first)], features, [len(p) for p in prompts], cache)
+    ctx = DraftContext([list(p) + [t] for p, t in zip(rows, first)], features, [len(p) for p in rows], cache)
     active = _keep_rows(keep, active, cache, drafter, ctx)
 
     while active:
@@ -219,6 +217,43 @@ def generate(
     return decoding
 
 
+def _prefill(target: Target, rows: list[list[int]], cache, capture: tuple[int, ...], slack: float = 1.25):
+    """Run the prompts `rows` (shortest first) through the target and commit their KV; return
+    each row's last hidden state [B, h] and the `capture` features [B, W, F] (right-padded).
+
+    Rows go in chunks of similar length, each right-padded only to its own longest prompt and
+    written through a view of its cache rows: a chunk grows while its padded tokens stay within
+    `slack` times its real ones, so one long prompt does not make every row pay for its length."""
+    device = target.device
+    last_hidden, features, start = [], None, 0
+    for stop in _chunk_ends([len(p) for p in rows], slack):
+        chunk = rows[start:stop]
+        B, width = len(chunk), len(chunk[-1])
+        tokens = torch.tensor([p + [0] * (width - len(p)) for p in chunk], device=device)
+        depths = torch.arange(width, device=device).expand(B, width)
+        causal = torch.ones(width, width, dtype=torch.bool, device=device).tril().expand(B, width, width)
+        hidden, captured = target.forward(tokens, depths, causal, cache.row_range(start, stop), capture)
+        last_hidden.append(hidden[torch.arange(B, device=device), torch.tensor([len(p) - 1 for p in chunk], device=device)])
+        if capture:
+            if features is None:
+                features = captured.new_zeros(len(rows), len(rows[-1]), captured.shape[-1])
+            features[start:stop, :width] = captured
+        start = stop
+    cache.commit([list(range(len(p))) for p in rows])
+    return torch.cat(last_hidden), features
+
+
+def _chunk_ends(lengths: list[int], slack: float) -> list[int]:
+    """Where each prefill chunk of the increasing `lengths` ends (exclusive row indices)."""
+    ends, start, total = [], 0, 0
+    for i, n in enumerate(lengths):
+        if i > start and n * (i - start + 1) > slack * (total + n):
+            ends.append(i)
+            start, total = i, 0
+        total += n
+    return ends + [len(lengths)]
+
+
 def _gather_paths(features: torch.Tensor, paths: list[list[int]]) -> torch.Tensor:
     """features [B, M, F] -> the accepted paths' features [B, A, F], right-padded."""
     width = max(len(p) for p in paths)
@@ -245,6 +280,7 @@ def _keep_rows(keep: list[int], active: list[int], cache, drafter, ctx: DraftCon
     the remaining rows decode."""
     if len(keep) == len(active):
         return active
+    keep = fill_holes(keep)  # cheapest order for the caches
     cache.keep_rows(keep)
     if drafter is not None:
         drafter.keep_rows(keep)

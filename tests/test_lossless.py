@@ -7,13 +7,14 @@ import random
 from functools import partial
 
 import pytest
+import torch
 
 from bastion.bench.datasets import chat_tokens, load_prompts
 from bastion.budget.fixed import FixedBudget
 from bastion.drafters.dflash import load_dflash
 from bastion.drafters.flexdraft import load_flexdraft
 from bastion.drafters.ngram import NgramDrafter
-from bastion.engine import generate
+from bastion.engine import _chunk_ends, generate
 from bastion.models.packed_linear import prepack_linears
 from bastion.tree.best_first import best_first
 from bastion.tree.chain import chain
@@ -69,6 +70,26 @@ def test_tiny_model_lossless_one_prompt_at_a_time(tiny_qwen3):
     oracle = OracleDrafter(dict(zip(map(tuple, prompts), expected)), vocab=49152, seed=3)
     for prompt, exp in zip(prompts, expected):
         check(tiny_qwen3, [prompt], [exp], oracle, "best_first", 8, 16, "batch=1")
+
+
+def test_batched_ar_equals_each_prompt_alone(tiny_qwen3):
+    """Prompts of very different lengths, in no order (several prefill chunks; rows leaving the
+    batch at different steps) decode exactly as they do alone, recorded features included."""
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 49152) for _ in range(n)] for n in (90, 4, 33, 5, 120, 31, 6)]
+    assert len(_chunk_ends(sorted(map(len, prompts)), 1.25)) >= 3
+    target, expected = with_eos_mid_output(tiny_qwen3, prompts, 20)
+    batched = generate(target, prompts, max_new_tokens=20, record=(0, 1)).generations
+    for prompt, exp, gen in zip(prompts, expected, batched):
+        alone = generate(target, [prompt], max_new_tokens=20, record=(0, 1)).generations[0]
+        assert gen.tokens == exp == alone.tokens
+        torch.testing.assert_close(gen.features, alone.features, rtol=0, atol=0)
+
+
+def test_prefill_chunks_keep_padding_within_the_slack():
+    assert _chunk_ends([10, 10, 11, 40, 41, 100], 1.25) == [3, 5, 6]
+    assert _chunk_ends([7], 1.25) == [1]
+    assert _chunk_ends([5, 50], 100.0) == [2]
 
 
 SMOL_QUESTIONS = ["What is 2+3?", "Say hello.", "What is the capital of France?"]

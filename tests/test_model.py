@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from bastion.models.kv_cache import fill_holes
 from bastion.models.target import load_target
 from bastion.tree.draft_tree import DraftTree, pack
 from tests.conftest import target_config
@@ -81,8 +82,10 @@ def test_commit_keeps_exactly_the_accepted_path(tiny_llama, keep):
     torch.testing.assert_close(tiny_llama.logits(hidden)[0, 0], fresh_logits(tiny_llama, prefix + accepted + [42]), rtol=1e-9, atol=1e-9)
 
 
-def test_ragged_batch_rows_equal_single_rows(tiny_qwen3):
-    """Rows of different lengths in one batch, different trees, different commits."""
+@pytest.mark.parametrize("survivors", [[2, 0], [0, 2]])  # a reordering (copied whole), a row filling a hole (copied in place)
+def test_ragged_batch_rows_equal_single_rows(tiny_qwen3, survivors):
+    """Rows of different lengths in one batch, different trees, different commits; then a row
+    finishes and the survivors go on."""
     prefixes = [list(range(50, 61)), list(range(300, 304)), list(range(900, 925))]
     trees = [DraftTree((1, 2, 3), (-1, 0, 1), (0.0,) * 3), DraftTree.root_only(5),
              DraftTree((6, 7, 8, 9), (-1, 0, 0, 2), (0.0,) * 4)]
@@ -100,10 +103,10 @@ def test_ragged_batch_rows_equal_single_rows(tiny_qwen3):
             expected = fresh_logits(tiny_qwen3, prefix + [tree.tokens[i] for i in tree.path(node)])
             torch.testing.assert_close(logits[b, node], expected, rtol=1e-9, atol=1e-9)
     cache.commit(keeps)
-    cache.keep_rows([2, 0])
+    cache.keep_rows(survivors)
     hidden, _ = tiny_qwen3.forward(*pack([DraftTree.root_only(11), DraftTree.root_only(12)], "cpu"), cache)
     logits = tiny_qwen3.logits(hidden)
-    for row, (b, token) in enumerate([(2, 11), (0, 12)]):
+    for row, (b, token) in enumerate(zip(survivors, [11, 12])):
         accepted = [trees[b].tokens[i] for i in keeps[b]]
         torch.testing.assert_close(logits[row, 0], fresh_logits(tiny_qwen3, prefixes[b] + accepted + [token]), rtol=1e-9, atol=1e-9)
 
@@ -120,3 +123,9 @@ def test_captured_features_are_the_named_layers_outputs(tiny_llama):
         x = layer(x, cos, sin, mask[:, None])
         outs.append(x)
     torch.testing.assert_close(features, torch.cat([outs[1], outs[0]], dim=-1))
+
+
+def test_fill_holes_moves_only_rows_past_the_new_batch_size():
+    assert fill_holes([0, 2, 3, 5]) == [0, 5, 2, 3]  # rows 1 and 4 finished: 5 fills 1, the rest stay
+    assert fill_holes([1, 2]) == [2, 1]
+    assert fill_holes([0, 1, 2]) == [0, 1, 2]

@@ -9,6 +9,8 @@ Lengths live on the host as plain ints, so building a mask never waits for the d
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 
@@ -68,9 +70,36 @@ class KVCache:
             buf.scatter_(3, dst, buf.gather(3, src))
         self.lengths = [n + a for n, a in zip(self.lengths, n_keep)]
 
+    def row_range(self, start: int, stop: int) -> KVCache:
+        """Rows start..stop-1 as a cache that writes into this one's buffers (a prefill chunk);
+        its commits do not reach this cache's lengths."""
+        view = copy.copy(self)
+        view.k, view.v, view.lengths = self.k[:, start:stop], self.v[:, start:stop], self.lengths[start:stop]
+        return view
+
     def keep_rows(self, rows: list[int]) -> None:
-        """Drop finished rows: the cache shrinks to `rows`, in that order."""
-        index = torch.tensor(rows, dtype=torch.long, device=self.device)
-        self.k = self.k.index_select(1, index)
-        self.v = self.v.index_select(1, index)
+        """Drop finished rows: the cache shrinks to `rows`, in that order.
+
+        When every row that moves comes from past the new batch size (the order `fill_holes`
+        gives), the moved rows are copied into place and the buffers become views of their first
+        rows: a finished row costs one row's copy, not a fresh copy of the whole cache."""
+        moves = [(new, old) for new, old in enumerate(rows) if new != old]
+        if all(old >= len(rows) for _, old in moves):
+            for buf in (self.k, self.v):
+                for new, old in moves:
+                    buf[:, new].copy_(buf[:, old])
+            self.k, self.v = self.k[:, : len(rows)], self.v[:, : len(rows)]
+        else:
+            index = torch.tensor(rows, dtype=torch.long, device=self.device)
+            self.k = self.k.index_select(1, index)
+            self.v = self.v.index_select(1, index)
         self.lengths = [self.lengths[r] for r in rows]
+
+
+def fill_holes(keep: list[int]) -> list[int]:
+    """The surviving rows `keep` (increasing) reordered so that the rows past the new batch size
+    fill the finished rows' places and every other row stays where it is."""
+    n = len(keep)
+    movers = iter(r for r in keep if r >= n)
+    staying = set(keep)
+    return [i if i in staying else next(movers) for i in range(n)]
