@@ -6,6 +6,7 @@ import dataclasses
 import random
 from functools import partial
 
+import numpy as np
 import pytest
 import torch
 
@@ -130,6 +131,20 @@ def test_smollm2_lossless_with_the_committed_drafters(smollm2_packed, smol_case,
         check(smollm2_packed, prompts, expected, drafter, policy, budget, max_new, f"smollm2 {kind}")
 
 
+def on_exact_hardware(budget):
+    """Feed the controller its own verify-time forecasts as measurements, with free drafting
+    and overheads: its choices then follow the drafts alone, not how busy the test machine is
+    (measured timings made a loaded CI machine size every tree alike)."""
+    observe = budget.observe
+
+    def exact(step, contexts, width):
+        verify_s = float(budget.latency.predict(np.full((1, len(contexts)), width), np.asarray(contexts)[None, :])[0])
+        observe(dataclasses.replace(step, draft_s=0.0, verify_s=verify_s, other_s=0.0), contexts, width)
+
+    budget.observe = exact
+    return budget
+
+
 @pytest.mark.parametrize("policy", ["chain", "best_first", "static"])
 def test_batched_bastion_budget_lossless(tiny_qwen3, policy, tmp_path):
     """One budget over the whole batch (rows get different tree sizes), rows of different
@@ -140,12 +155,15 @@ def test_batched_bastion_budget_lossless(tiny_qwen3, policy, tmp_path):
     prompts = random_prompts(8, seed=11)
     target, expected = with_eos_mid_output(tiny_qwen3, prompts, 24)
     oracle = OracleDrafter(dict(zip(map(tuple, prompts), expected)), vocab=49152, block_size=6, top_k=4)
-    budget = BastionBudget(max_nodes=32, calibrate=False)
+    # The oracle's decoys make its beliefs a poor guide; scaled down by measured acceptance
+    # they would size most trees at zero, and this test is about trees of different sizes.
+    budget = on_exact_hardware(BastionBudget(max_nodes=32, calibrate=False, calibrate_acceptance=False))
     budget.start(target, HardwareProfile("cpu", {"float64": 0.05}, 8.0, 1.0), tmp_path)
     d = generate(target, prompts, drafter=oracle, policy=POLICIES[policy], budget=budget, max_new_tokens=24)
     for prompt, exp, gen in zip(prompts, expected, d.generations):
         assert_same_tokens(target, prompt, exp, gen.tokens, f"bastion batch {policy}")
-    assert any(len(set(s.tree_sizes)) > 1 for s in d.steps), "rows should get different budgets"
+    uneven = sum(len(set(s.tree_sizes)) > 1 for s in d.steps)
+    assert uneven >= 3, f"rows should get different budgets (only {uneven} of {len(d.steps)} steps did)"
 
 
 def test_ar_stretches_of_the_bastion_budget_stay_lossless(tiny_llama, tmp_path):
