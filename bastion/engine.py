@@ -42,6 +42,8 @@ class Generation:
     finish: str  # "eos" | "length" | "stop"
     steps: int = 0  # decode steps (target forwards after prefill) this row took part in
     features: torch.Tensor | None = None  # [prompt + new - 1, F] recorded target features (CPU, fp16)
+    top_ids: torch.Tensor | None = None  # [new, k] the target's k likeliest tokens at each new token (CPU, int32)
+    top_logprobs: torch.Tensor | None = None  # [new, k] their log-probs (CPU, fp16)
 
 
 @dataclass
@@ -115,6 +117,7 @@ def generate(
     sampling: Sampling = GREEDY,
     seed: int = 0,
     record: tuple[int, ...] = (),
+    record_top: int = 0,
 ) -> Decoding:
     """Decode a batch of prompts. Without a drafter this is plain AR decoding.
 
@@ -123,6 +126,8 @@ def generate(
 
     `record` names target layers whose outputs are returned per prompt (Generation.features)
     for every token whose KV was committed: the training data of feature-conditioned drafters.
+    `record_top` (AR decoding only) returns the target's k most likely tokens and their
+    log-probs at every new token (Generation.top_ids / top_logprobs): soft labels for them.
     """
     stopper = Stopper(target.eos_ids, max_new_tokens, stop_strings, target.tokenizer)
     check_prompts(target, prompts, max_new_tokens)
@@ -132,6 +137,8 @@ def generate(
     capture = tuple(drafter.feature_layers) if drafter else tuple(record)
     if record and tuple(record) != capture:
         raise ValueError("record must name the drafter's feature layers (or be used without a drafter)")
+    if record_top and drafter is not None:
+        raise ValueError("record_top records AR decoding's distributions: use it without a drafter")
     max_nodes = budget.max_nodes if drafter else 0
     rides_along = hasattr(drafter, "verify_forward")  # drafts inside the verification forward when it pays
     extra = drafter.extra_tokens(max_nodes) if rides_along else 0
@@ -143,8 +150,12 @@ def generate(
     t0 = _now(device)
     last_hidden, features = _prefill(target, rows, cache, capture)
     generator = None if sampling.greedy else torch.Generator(device=device).manual_seed(seed)
-    first = pick(target.logits(last_hidden), sampling, generator)
+    first_logits = target.logits(last_hidden)  # [B, V]
+    first = pick(first_logits, sampling, generator)
     decoding = Decoding([Generation([], "") for _ in prompts], prefill_s=_now(device) - t0)
+    tops = [[] for _ in prompts]  # per prompt: (ids, log-probs) [1, k] of each new token
+    if record_top:
+        _record_top(tops, active, first_logits, record_top)
     recorded = [[] for _ in prompts]  # per prompt: its recorded features, prefill first
     if record:
         for row, (i, p) in enumerate(zip(active, rows)):
@@ -181,6 +192,8 @@ def generate(
             hidden, features = target.forward(tree_tokens, tree_depths, tree_mask, cache, capture)
         logits = target.logits(hidden)  # [B, M, V]
         t3 = _now(device)
+        if record_top:
+            _record_top(tops, active, logits[:, 0], record_top)  # AR: M = 1
         if sampling.greedy:
             verdicts = verify_greedy(logits, trees)
         else:
@@ -214,7 +227,18 @@ def generate(
     if record:
         for gen, prompt, parts in zip(decoding.generations, prompts, recorded):
             gen.features = torch.cat(parts)[: len(prompt) + len(gen.tokens) - 1]
+    if record_top:
+        for gen, top in zip(decoding.generations, tops):
+            gen.top_ids, gen.top_logprobs = (torch.cat(part)[: len(gen.tokens)] for part in zip(*top))
     return decoding
+
+
+def _record_top(tops: list[list], active: list[int], logits: torch.Tensor, k: int) -> None:
+    """Append each active row's k likeliest next tokens and their log-probs (logits [B, V])."""
+    logprobs, ids = torch.log_softmax(logits.float(), -1).topk(k, -1)
+    ids, logprobs = ids.to("cpu", torch.int32), logprobs.to("cpu", torch.float16)
+    for row, i in enumerate(active):
+        tops[i].append((ids[row : row + 1], logprobs[row : row + 1]))
 
 
 def _prefill(target: Target, rows: list[list[int]], cache, capture: tuple[int, ...], slack: float = 1.25):

@@ -87,6 +87,20 @@ def test_batched_ar_equals_each_prompt_alone(tiny_qwen3):
         torch.testing.assert_close(gen.features, alone.features, rtol=0, atol=0)
 
 
+def test_recorded_top_tokens_are_the_targets_own_distribution(tiny_qwen3):
+    """record_top in a batch (rows leaving at different steps) gives each new token the
+    target's k likeliest tokens and log-probs, as scoring the finished sequence alone does."""
+    prompts = random_prompts(4, seed=2)
+    target, expected = with_eos_mid_output(tiny_qwen3, prompts, 12)
+    for prompt, exp, gen in zip(prompts, expected, generate(target, prompts, max_new_tokens=12, record_top=3).generations):
+        assert gen.tokens == exp and gen.top_ids.shape == gen.top_logprobs.shape == (len(exp), 3)
+        logprobs, ids = torch.log_softmax(target.score(prompt + exp)[len(prompt) - 1 : -1], -1).topk(3, -1)
+        assert gen.top_ids.tolist() == ids.tolist() and gen.top_ids[:, 0].tolist() == exp
+        torch.testing.assert_close(gen.top_logprobs.float(), logprobs.float(), atol=2e-3, rtol=2e-3)  # stored in fp16
+    with pytest.raises(ValueError, match="record_top records AR decoding"):
+        generate(target, prompts[:1], drafter=OracleDrafter({}, vocab=49152), policy=chain, budget=FixedBudget(2), record_top=3)
+
+
 def test_prefill_chunks_keep_padding_within_the_slack():
     assert _chunk_ends([10, 10, 11, 40, 41, 100], 1.25) == [3, 5, 6]
     assert _chunk_ends([7], 1.25) == [1]

@@ -16,7 +16,7 @@ from bastion.drafters.dflash import DFlashDrafter, new_dflash_config
 from bastion.drafters.flexdraft import FlexDraftDrafter, load_flexdraft
 from bastion.models.target import load_target
 from bastion.train.data import build_selfdistill, chat_prompts, file_prompts, source_counts, user_turn_prefix
-from bastion.train.dflash import train_dflash
+from bastion.train.dflash import feature_std, soft_cross_entropy, train_dflash, with_feature_noise
 from bastion.train.examples import split_examples, to_examples
 from bastion.train.flexdraft import train_flexdraft
 from bastion.train.loop import train_loop
@@ -33,7 +33,7 @@ def tiny():
 @pytest.fixture(scope="module")
 def data(tiny, tmp_path_factory):
     out = tmp_path_factory.mktemp("selfdistill")
-    return out, build_selfdistill(tiny, out, file_prompts("gsm8k", 6), layers=(0, 1), max_new_tokens=12, batch_size=2)
+    return out, build_selfdistill(tiny, out, file_prompts("gsm8k", 6), layers=(0, 1), max_new_tokens=12, batch_size=2, top_k=2)
 
 
 def mtimes(out):
@@ -45,13 +45,15 @@ def test_selfdistill_is_the_targets_own_greedy_answers_and_resumes(tiny, data):
     assert len(dataset) == 6 and len(list(out.glob("shard_*"))) == 3
     row = dataset.with_format("torch")[0]
     assert row["features"].shape == (len(row["input_ids"]) - 1, 2 * 64)
+    answer = row["input_ids"][row["answer_start"]:]
+    assert row["top_ids"].shape == row["top_logprobs"].shape == (len(answer), 2) and (row["top_ids"][:, 0] == answer).all()
     from bastion.engine import generate
 
     prompt = row["input_ids"][: row["answer_start"]].tolist()
     assert generate(tiny, [prompt], max_new_tokens=12).generations[0].tokens == row["input_ids"][row["answer_start"]:].tolist()
     built = mtimes(out)
     shutil.rmtree(out / "shard_00002")
-    assert len(build_selfdistill(tiny, out, file_prompts("gsm8k", 6), layers=(0, 1), max_new_tokens=12, batch_size=2)) == 6
+    assert len(build_selfdistill(tiny, out, file_prompts("gsm8k", 6), layers=(0, 1), max_new_tokens=12, batch_size=2, top_k=2)) == 6
     assert mtimes(out)["shard_00000"] == built["shard_00000"]  # kept, not rebuilt
 
 
@@ -96,7 +98,7 @@ def test_training_learns_and_resumes(tiny, data, kind, tmp_path):
     torch.manual_seed(0)
     if kind == "dflash":
         drafter, train = DFlashDrafter(new_dflash_config(tiny, 1, 4, [0, 1], 16), tiny), train_dflash
-        kw = dict(seqs_per_step=2, anchors=8, lr=3e-3)
+        kw = dict(seqs_per_step=2, anchors=8, lr=3e-3, feature_noise=0.1, soft_labels=0.5)
     else:
         drafter, train = FlexDraftDrafter(tiny, tuned_layers=1, group_size=4, calibration_hidden=16, mask_token_id=16), train_flexdraft
         kw = dict(seqs_per_step=2, anchors=8, lr=3e-3, lr_tuned=1e-3)
@@ -117,6 +119,40 @@ def test_weight_decay_shrinks_weights_by_lr_times_decay_per_step(tmp_path):
     zero_loss = lambda batch: ((layer.weight * 0).sum(), torch.zeros(1), torch.ones(1))  # a zero gradient: only the decay moves it
     train_loop(layer, [{"params": [layer.weight], "lr": 0.1}], lambda gen: None, zero_loss, tmp_path / "state.pt", steps=1, weight_decay=0.5)
     torch.testing.assert_close(layer.weight.detach(), before * (1 - 0.1 * 0.5))
+
+
+def test_soft_cross_entropy_renormalises_over_the_draft_vocabulary():
+    logits = torch.randn(3, 5)
+    ids = torch.tensor([[4, 1], [2, 6], [6, 7]])  # target ids; the draft vocabulary holds 0..4
+    logprobs = torch.log(torch.tensor([[1.0, 0.0], [0.3, 0.2], [0.5, 0.1]]))
+    loss = soft_cross_entropy(logits, ids, logprobs, to_draft=torch.tensor([0, 1, 2, 3, 4, -1, -1, -1]))
+    hard = torch.nn.functional.cross_entropy(logits, torch.tensor([4, 2, 0]), reduction="none")
+    torch.testing.assert_close(loss[:2], hard[:2])  # one-hot, and 0.3 renormalised to 1 over the kept id
+    assert loss[2] == 0  # nothing of it inside the draft vocabulary
+    mixed = soft_cross_entropy(logits, torch.tensor([[0, 3]]), torch.log(torch.tensor([[0.6, 0.2]])))
+    torch.testing.assert_close(mixed, -(0.75 * logits[:1].log_softmax(-1)[:, 0] + 0.25 * logits[:1].log_softmax(-1)[:, 3]))
+
+
+def test_soft_labels_need_data_with_the_targets_distributions(tiny, data):
+    examples = to_examples(data[1])
+    for e in examples:
+        e.top_ids = e.top_logprobs = None
+    with pytest.raises(ValueError, match="set data.top_k"):
+        train_dflash(DFlashDrafter(new_dflash_config(tiny, 1, 4, [0, 1], 16), tiny), examples, None, steps=1, soft_labels=0.5)
+
+
+def test_feature_noise_is_scaled_per_feature_by_its_std(tiny, data):
+    examples = to_examples(data[1])
+    std = feature_std(examples)
+    torch.testing.assert_close(std, torch.cat([e.features.double() for e in examples]).std(0, correction=0).float())
+    scale = torch.zeros_like(std)
+    scale[:3] = torch.tensor([0.5, 2.0, 8.0])
+    tokens, features = torch.zeros(4, 2000, dtype=torch.long), torch.randn(4, 2000, len(std))
+    noisy_tokens, noisy, *_ = with_feature_noise((tokens, features, "anchors"), scale, torch.Generator().manual_seed(0))
+    assert noisy_tokens is tokens
+    noise = (noisy - features).flatten(0, 1)
+    torch.testing.assert_close(noise.std(0)[:3], scale[:3], rtol=0.05, atol=0)
+    assert (noise[:, 3:] == 0).all()  # features of zero scale untouched
 
 
 def test_train_py_end_to_end(tmp_path):

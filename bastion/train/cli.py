@@ -92,6 +92,8 @@ def self_distillation(cfg: DictConfig, target, layers: tuple[int, ...]):
     d = cfg.data
     out = Path(d.dir)
     meta = {"target": target.name, "layers": list(layers), "max_new_tokens": d.max_new_tokens, "seed": cfg.seed}
+    if d.top_k:  # (absent when 0, so data made before soft labels existed stays valid)
+        meta["top_k"] = d.top_k
     meta_path = out / "meta.json"
     if meta_path.exists() and json.loads(meta_path.read_text()) != meta:
         raise ValueError(f"{out} holds self-distillation data made with other settings ({meta_path}); delete it or set data.dir.")
@@ -100,5 +102,5 @@ def self_distillation(cfg: DictConfig, target, layers: tuple[int, ...]):
     parts = []
     for name, count in source_counts(dict(d.mix), d.n_prompts).items():
         prompts = source_prompts(target, name, count, out / name, cfg.seed)
-        parts.append(build_selfdistill(target, out / name, prompts, layers, d.max_new_tokens, d.batch_size))
+        parts.append(build_selfdistill(target, out / name, prompts, layers, d.max_new_tokens, d.batch_size, d.top_k))
     return concatenate_datasets(parts)

@@ -113,8 +113,10 @@ def build_selfdistill(
     layers: tuple[int, ...],
     max_new_tokens: int = 256,
     batch_size: int = 32,
+    top_k: int = 0,
 ) -> Dataset:
-    """Decode `prompts` (one source, in order) with the target; one shard per batch under out_dir."""
+    """Decode `prompts` (one source, in order) with the target; one shard per batch under out_dir.
+    With `top_k`, each answer token also keeps the target's top_k tokens and log-probs there."""
     out_dir.mkdir(parents=True, exist_ok=True)
     n_features = len(layers) * target.args.hidden_size
     schema = Features({
@@ -122,6 +124,8 @@ def build_selfdistill(
         "input_ids": Sequence(Value("int32")),
         "answer_start": Value("int32"),
         "features": Array2D(shape=(None, n_features), dtype="float16"),
+        **({"top_ids": Array2D(shape=(None, top_k), dtype="int32"),
+            "top_logprobs": Array2D(shape=(None, top_k), dtype="float16")} if top_k else {}),
     })
     encoded = [(pid, chat_tokens(target.tokenizer, [{"role": "user", "content": text}])) for pid, text in prompts]
     # Sorted by length inside a batch: little prefill wasted on padding, same shards for any n.
@@ -131,13 +135,16 @@ def build_selfdistill(
         if shard_ids(shard) == [pid for pid, _ in batch]:
             continue
         tokens = [t for _, t in batch]
-        decoding = generate(target, tokens, max_new_tokens=max_new_tokens, record=layers)
-        rows = {"id": [], "input_ids": [], "answer_start": [], "features": []}
+        decoding = generate(target, tokens, max_new_tokens=max_new_tokens, record=layers, record_top=top_k)
+        rows = {name: [] for name in schema}
         for (pid, prompt), gen in zip(batch, decoding.generations):
             rows["id"].append(pid)
             rows["input_ids"].append(prompt + gen.tokens)
             rows["answer_start"].append(len(prompt))
             rows["features"].append(gen.features.numpy().astype(np.float16))
+            if top_k:
+                rows["top_ids"].append(gen.top_ids.numpy())
+                rows["top_logprobs"].append(gen.top_logprobs.numpy())
         shutil.rmtree(shard, ignore_errors=True)
         Dataset.from_dict(rows, features=schema).save_to_disk(str(shard))
     return concatenate_datasets([load_from_disk(str(s)) for s in shards])

@@ -23,19 +23,46 @@ CHAIN_EXAMPLES = 24  # held-out answers walked for val_chain_aal at each validat
 
 
 def sample_batch(examples: list[Example], n_seqs: int, n_anchors: int, gen: torch.Generator):
-    """sample_anchors plus the target features, padded: features [B, S, F] (float32)."""
+    """sample_anchors plus the target features, padded: features [B, S, F] (float32); and when
+    the data has them, the soft labels at every token: top ids and log-probs [B, S, k] (else None)."""
     picks, tokens, anchors, anchor_ok, lengths = sample_anchors(examples, n_seqs, n_anchors, gen)
-    features = torch.zeros(n_seqs, tokens.shape[1], picks[0].features.shape[1])
+    S = tokens.shape[1]
+    features = torch.zeros(n_seqs, S, picks[0].features.shape[1])
     for b, e in enumerate(picks):
         features[b, : len(e.tokens) - 1] = e.features.float()
-    return tokens, features, anchors, anchor_ok, lengths
+    soft = None
+    if picks[0].top_ids is not None:
+        k = picks[0].top_ids.shape[1]
+        soft = torch.zeros(n_seqs, S, k, dtype=torch.long), torch.zeros(n_seqs, S, k)
+        for b, e in enumerate(picks):
+            soft[0][b, e.answer_start : len(e.tokens)] = e.top_ids.long()
+            soft[1][b, e.answer_start : len(e.tokens)] = e.top_logprobs.float()
+    return tokens, features, anchors, anchor_ok, lengths, soft
 
 
-def block_loss(drafter: DFlashDrafter, batch, gamma: float, to_draft: torch.Tensor | None = None):
+def feature_std(examples: list[Example]) -> torch.Tensor:
+    """Each target feature's standard deviation over the examples' tokens [F]: the scale of
+    training noise, per feature, since a few hidden dimensions are orders of magnitude larger."""
+    total = sq = count = 0
+    for e in examples:
+        f = e.features.double()
+        total, sq, count = total + f.sum(0), sq + f.square().sum(0), count + len(f)
+    return (sq / count - (total / count).square()).clamp(min=0).sqrt().float()
+
+
+def with_feature_noise(batch, scale: torch.Tensor, gen: torch.Generator):
+    """The batch with Gaussian noise of `scale` [F] added to its target features (EAGLE's
+    regulariser: the drafter cannot lean on exact features it has memorised)."""
+    tokens, features, *rest = batch
+    return (tokens, features + torch.randn(features.shape, generator=gen) * scale, *rest)
+
+
+def block_loss(drafter: DFlashDrafter, batch, gamma: float, to_draft: torch.Tensor | None = None, soft_labels: float = 0.0):
     """Weighted cross-entropy over block positions 1..K-1 (over the draft vocabulary when the
     drafter has one: `to_draft` maps target ids to draft ids, -1 outside it, and those labels
-    carry no loss); also per-position hits and counts."""
-    tokens, features, anchors, anchor_ok, lengths = batch
+    carry no loss); also per-position hits and counts. With `soft_labels` > 0 the cross-entropy
+    is that share against the target's own distribution there, the rest against its token."""
+    tokens, features, anchors, anchor_ok, lengths, soft = batch
     B, S = tokens.shape
     K = drafter.block_size
     hidden = drafter.block_hidden(features, tokens, anchors)[:, :, 1:]  # [B, M, K-1, h]
@@ -48,10 +75,26 @@ def block_loss(drafter: DFlashDrafter, batch, gamma: float, to_draft: torch.Tens
     scored = valid & (labels >= 0)
     labels = labels.clamp(min=0)
     ce = F.cross_entropy(logits, labels.flatten(), reduction="none").view_as(labels)
+    if soft_labels:
+        index = label_pos.clamp(max=S - 1).flatten(1)[:, :, None].expand(-1, -1, soft[0].shape[-1])  # [B, M*(K-1), k]
+        soft_ce = soft_cross_entropy(logits, soft[0].gather(1, index).flatten(0, 1), soft[1].gather(1, index).flatten(0, 1), to_draft)
+        ce = (1 - soft_labels) * ce + soft_labels * soft_ce.view_as(labels)
     weights = scored * torch.exp(-torch.arange(K - 1) / gamma)
     loss = (ce * weights).sum() / weights.sum()
     hits = ((logits.argmax(-1).view_as(labels) == labels) & scored).flatten(0, 1).sum(0)  # [K-1]
     return loss, hits, valid.flatten(0, 1).sum(0)
+
+
+def soft_cross_entropy(logits: torch.Tensor, top_ids: torch.Tensor, top_logprobs: torch.Tensor,
+                       to_draft: torch.Tensor | None = None) -> torch.Tensor:
+    """Cross-entropy of logits [N, V'] against the target's distributions given as top ids and
+    log-probs [N, k], renormalised over the ids the draft vocabulary holds. [N]"""
+    if to_draft is not None:
+        top_ids = to_draft[top_ids]
+        top_logprobs = top_logprobs.masked_fill(top_ids < 0, -torch.inf)
+        top_ids = top_ids.clamp(min=0)
+    target_probs = top_logprobs.softmax(-1).nan_to_num(0.0)  # a row wholly outside the vocabulary: no loss
+    return -(target_probs * logits.log_softmax(-1).gather(1, top_ids)).sum(-1)
 
 
 @torch.no_grad()
@@ -91,17 +134,27 @@ def most_frequent_tokens(examples: list[Example], n: int, vocab_size: int) -> tu
 
 
 def train_dflash(drafter: DFlashDrafter, examples: list[Example], state_path: Path, steps: int, lr: float = 6e-4,
-                 seqs_per_step: int = 4, anchors: int = 32, gamma: float = 4.0, val_examples: list[Example] = (),
-                 **loop) -> list[dict]:
-    """Optimise the drafter's own weights (the target's embeddings and head stay frozen)."""
+                 seqs_per_step: int = 4, anchors: int = 32, gamma: float = 4.0, feature_noise: float = 0.0,
+                 soft_labels: float = 0.0, val_examples: list[Example] = (), **loop) -> list[dict]:
+    """Optimise the drafter's own weights (the target's embeddings and head stay frozen).
+    `feature_noise`: the noise added to training features, in units of each feature's std.
+    `soft_labels`: the loss's share against the target's distributions (see block_loss)."""
+    if soft_labels and examples[0].top_ids is None:
+        raise ValueError("recipe.optim.soft_labels needs self-distillation data with the target's distributions: set data.top_k.")
+    noise = feature_noise * feature_std(examples) if feature_noise else None
+
+    def batches(gen: torch.Generator):
+        batch = sample_batch(examples, seqs_per_step, anchors, gen)
+        return batch if noise is None else with_feature_noise(batch, noise, gen)
+
     to_draft = None
     if drafter.draft_vocab is not None:  # built once, not per step
         to_draft = torch.full((drafter.target.args.vocab_size,), -1, dtype=torch.long)
         to_draft[drafter.draft_vocab] = torch.arange(len(drafter.draft_vocab))
     return train_loop(
         drafter, [{"params": [p for p in drafter.parameters() if p.requires_grad], "lr": lr}],
-        lambda gen: sample_batch(examples, seqs_per_step, anchors, gen),
-        lambda batch: block_loss(drafter, batch, gamma, to_draft),
+        batches,
+        lambda batch: block_loss(drafter, batch, gamma, to_draft, soft_labels),
         state_path, steps, desc="train dflash",
         val_batches=fixed_batches(lambda gen: sample_batch(val_examples, seqs_per_step, anchors, gen)) if val_examples else None,
         val_metrics=(lambda: {"val_chain_aal": round(chain_aal(drafter, val_examples[:CHAIN_EXAMPLES]), 4)}) if val_examples else None,

@@ -12,6 +12,8 @@ class Example:
     tokens: torch.Tensor  # [S] prompt + answer
     features: torch.Tensor  # [S - 1, F] fp16 target features of all but the last token
     answer_start: int
+    top_ids: torch.Tensor | None = None  # [S - answer_start, k] the target's likeliest tokens at each answer token
+    top_logprobs: torch.Tensor | None = None  # [S - answer_start, k] and their log-probs
 
 
 def to_examples(dataset) -> list[Example]:
@@ -20,7 +22,7 @@ def to_examples(dataset) -> list[Example]:
     for row in dataset.with_format("torch"):
         tokens, start = row["input_ids"].long(), int(row["answer_start"])
         if len(tokens) - 2 >= start:
-            examples.append(Example(tokens, row["features"], start))
+            examples.append(Example(tokens, row["features"], start, row.get("top_ids"), row.get("top_logprobs")))
     if not examples:
         raise ValueError("The self-distillation data holds no answer long enough to train on.")
     return examples
