@@ -76,3 +76,25 @@ def test_impossible_budget_fails_before_loading_the_model():
     assert result.returncode != 0
     assert "budget.nodes must be at least 1" in result.stderr
     assert "Cannot load model" not in result.stderr
+
+
+def test_a_packaged_model_converted_by_another_process_meanwhile_is_kept(tmp_path):
+    """Parallel test workers convert the packaged GGUF at once: the first to finish publishes
+    it, the others drop their copy instead of failing or replacing it."""
+    from bastion.models.loading import _publish
+
+    def converted(path, text):
+        path.mkdir()
+        (path / "model.safetensors").write_text(text)
+        return path
+
+    out = converted(tmp_path / "model", "first")
+    late = converted(tmp_path / "model.partial-2", "second")
+    _publish(late, out)
+    assert (out / "model.safetensors").read_text() == "first" and not late.exists()
+    _publish(converted(tmp_path / "other.partial-3", "only"), tmp_path / "other")
+    assert (tmp_path / "other" / "model.safetensors").read_text() == "only"
+    with pytest.raises(OSError):  # a non-empty `out` without a model is not someone's finished work
+        (tmp_path / "broken").mkdir()
+        (tmp_path / "broken" / "junk").write_text("x")
+        _publish(converted(tmp_path / "broken.partial-4", "mine"), tmp_path / "broken")

@@ -115,7 +115,7 @@ def packaged_dir(name: str) -> Path:
 def _convert_gguf(parts: list[Path], gguf_name: str, out: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tmp = out.with_name(out.name + ".partial")
+    tmp = out.with_name(f"{out.name}.partial-{os.getpid()}")  # this process's own: test workers convert in parallel
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     if len(parts) == 1:
@@ -134,5 +134,15 @@ def _convert_gguf(parts: list[Path], gguf_name: str, out: Path) -> None:
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     (tmp / gguf_name).unlink(missing_ok=True)
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+    _publish(tmp, out)
+
+
+def _publish(tmp: Path, out: Path) -> None:
+    """Move a finished conversion into place in one rename, so `out` is complete whenever it
+    exists. Another process may have published the same model meanwhile: theirs is kept."""
+    try:
+        tmp.rename(out)
+    except OSError:
+        if not (out / "model.safetensors").exists():
+            raise
+        shutil.rmtree(tmp)
