@@ -71,6 +71,8 @@ def main(steps: int, names: list[str], overrides: list[str]) -> None:
         raise SystemExit(f"unknown variant {unknown[0]!r}; choose from {', '.join(VARIANTS)}")
     with initialize_config_dir(str(ROOT / "conf"), version_base=None):
         cfg = compose("training", overrides=["drafter=dflash", "target=smollm2_135m", "device=cpu", *overrides])
+    if not cfg.data.top_k and any(VARIANTS[n].get("optim", {}).get("soft_labels") for n in names):
+        raise SystemExit("the soft_labels variant needs data with the target's distributions: add data.top_k=8")
     target = build(cfg.target, name=cfg.target.name)
     target.model.requires_grad_(False)
     layers, examples, held_out = training_examples(cfg, target)

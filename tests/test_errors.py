@@ -98,3 +98,11 @@ def test_a_packaged_model_converted_by_another_process_meanwhile_is_kept(tmp_pat
         (tmp_path / "broken").mkdir()
         (tmp_path / "broken" / "junk").write_text("x")
         _publish(converted(tmp_path / "broken.partial-4", "mine"), tmp_path / "broken")
+
+
+def test_only_conversions_of_dead_processes_count_as_stale():
+    import os
+
+    from bastion.models.loading import _running
+
+    assert _running(os.getpid()) and not _running(2**22 + 1)  # above Linux's largest pid

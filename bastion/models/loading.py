@@ -115,6 +115,10 @@ def packaged_dir(name: str) -> Path:
 def _convert_gguf(parts: list[Path], gguf_name: str, out: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    for stale in out.parent.glob(f"{out.name}.partial-*"):  # left by conversions that were killed
+        pid = stale.name.rsplit("-", 1)[1]
+        if pid.isdigit() and not _running(int(pid)):
+            shutil.rmtree(stale, ignore_errors=True)
     tmp = out.with_name(f"{out.name}.partial-{os.getpid()}")  # this process's own: test workers convert in parallel
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -135,6 +139,16 @@ def _convert_gguf(parts: list[Path], gguf_name: str, out: Path) -> None:
     tokenizer.save_pretrained(tmp)
     (tmp / gguf_name).unlink(missing_ok=True)
     _publish(tmp, out)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        pass
+    return True
 
 
 def _publish(tmp: Path, out: Path) -> None:

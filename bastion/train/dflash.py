@@ -22,16 +22,17 @@ from bastion.verify import matched_prefix
 CHAIN_EXAMPLES = 24  # held-out answers walked for val_chain_aal at each validation (~2 s on a CPU)
 
 
-def sample_batch(examples: list[Example], n_seqs: int, n_anchors: int, gen: torch.Generator):
-    """sample_anchors plus the target features, padded: features [B, S, F] (float32); and when
-    the data has them, the soft labels at every token: top ids and log-probs [B, S, k] (else None)."""
+def sample_batch(examples: list[Example], n_seqs: int, n_anchors: int, gen: torch.Generator, soft_labels: bool = False):
+    """sample_anchors plus the target features, padded: features [B, S, F] (float32); and with
+    `soft_labels`, the target's distributions at every token: top ids and log-probs [B, S, k]
+    (else None)."""
     picks, tokens, anchors, anchor_ok, lengths = sample_anchors(examples, n_seqs, n_anchors, gen)
     S = tokens.shape[1]
     features = torch.zeros(n_seqs, S, picks[0].features.shape[1])
     for b, e in enumerate(picks):
         features[b, : len(e.tokens) - 1] = e.features.float()
     soft = None
-    if picks[0].top_ids is not None:
+    if soft_labels:
         k = picks[0].top_ids.shape[1]
         soft = torch.zeros(n_seqs, S, k, dtype=torch.long), torch.zeros(n_seqs, S, k)
         for b, e in enumerate(picks):
@@ -69,14 +70,15 @@ def block_loss(drafter: DFlashDrafter, batch, gamma: float, to_draft: torch.Tens
     logits = F.linear(hidden.flatten(0, 2), drafter.head_weight()).float()  # [B*M*(K-1), V']: a 2-D matmul, not a slow bmm
     label_pos = anchors[:, :, None] + torch.arange(1, K)  # [B, M, K-1]
     valid = anchor_ok[:, :, None] & (label_pos < lengths[:, None, None])
-    labels = tokens.gather(1, label_pos.clamp(max=S - 1).flatten(1)).view_as(label_pos)
+    at_labels = label_pos.clamp(max=S - 1).flatten(1)  # [B, M*(K-1)]
+    labels = tokens.gather(1, at_labels).view_as(label_pos)
     if to_draft is not None:
         labels = to_draft[labels]
     scored = valid & (labels >= 0)
     labels = labels.clamp(min=0)
     ce = F.cross_entropy(logits, labels.flatten(), reduction="none").view_as(labels)
     if soft_labels:
-        index = label_pos.clamp(max=S - 1).flatten(1)[:, :, None].expand(-1, -1, soft[0].shape[-1])  # [B, M*(K-1), k]
+        index = at_labels[:, :, None].expand(-1, -1, soft[0].shape[-1])  # [B, M*(K-1), k]
         soft_ce = soft_cross_entropy(logits, soft[0].gather(1, index).flatten(0, 1), soft[1].gather(1, index).flatten(0, 1), to_draft)
         ce = (1 - soft_labels) * ce + soft_labels * soft_ce.view_as(labels)
     weights = scored * torch.exp(-torch.arange(K - 1) / gamma)
@@ -144,7 +146,7 @@ def train_dflash(drafter: DFlashDrafter, examples: list[Example], state_path: Pa
     noise = feature_noise * feature_std(examples) if feature_noise else None
 
     def batches(gen: torch.Generator):
-        batch = sample_batch(examples, seqs_per_step, anchors, gen)
+        batch = sample_batch(examples, seqs_per_step, anchors, gen, soft_labels > 0)
         return batch if noise is None else with_feature_noise(batch, noise, gen)
 
     to_draft = None
@@ -156,7 +158,7 @@ def train_dflash(drafter: DFlashDrafter, examples: list[Example], state_path: Pa
         batches,
         lambda batch: block_loss(drafter, batch, gamma, to_draft, soft_labels),
         state_path, steps, desc="train dflash",
-        val_batches=fixed_batches(lambda gen: sample_batch(val_examples, seqs_per_step, anchors, gen)) if val_examples else None,
+        val_batches=fixed_batches(lambda gen: sample_batch(val_examples, seqs_per_step, anchors, gen, soft_labels > 0)) if val_examples else None,
         val_metrics=(lambda: {"val_chain_aal": round(chain_aal(drafter, val_examples[:CHAIN_EXAMPLES]), 4)}) if val_examples else None,
         **loop,
     )
