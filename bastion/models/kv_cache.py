@@ -42,10 +42,11 @@ class KVCache:
         return write_pos, mask[:, None]
 
     def store(self, layer: int, k, v, write_pos) -> None:
-        """k, v: [B, Hkv, N, D] into slots write_pos [B, N] of `layer`."""
-        index = write_pos[:, None, :, None].expand_as(k)
-        self.k[layer].scatter_(2, index, k)
-        self.v[layer].scatter_(2, index, v)
+        """k, v: [B, Hkv, N, D] into slots write_pos [B, N] of `layer`. (index_put, not scatter_:
+        CPU scatter_ copies the whole bfloat16 buffer on every call, 60x slower.)"""
+        rows = torch.arange(k.shape[0], device=k.device)[:, None]  # [B, 1]
+        self.k[layer][rows, :, write_pos] = k.transpose(1, 2)  # indexed [B, N, Hkv, D]
+        self.v[layer][rows, :, write_pos] = v.transpose(1, 2)
 
     def write(self, layer: int, k, v, write_pos, s_view: int):
         """store(), then return this layer's keys and values [B, Hkv, s_view, D]."""
@@ -53,22 +54,17 @@ class KVCache:
         return self.k[layer, :, :, :s_view], self.v[layer, :, :, :s_view]
 
     def commit(self, keep: list[list[int]]) -> None:
-        """keep[b]: indices (into the last forward's tokens, increasing) that row b keeps."""
-        n_keep = [len(row) for row in keep]
-        width = max(n_keep)
-        if width == 0:
-            return
-        # Rows keeping fewer repeat their last index; the extra slots land past the new length.
-        padded = [row + [row[-1] if row else 0] * (width - len(row)) for row in keep]
-        lengths = torch.tensor(self.lengths, device=self.device)[:, None]
-        src = lengths + torch.tensor(padded, device=self.device)  # [B, A]
-        dst = lengths + torch.arange(width, device=self.device)
-        L, B, H, _, D = self.k.shape
-        src = src[None, :, None, :, None].expand(L, B, H, width, D)
-        dst = dst[None, :, None, :, None].expand(L, B, H, width, D)
-        for buf in (self.k, self.v):
-            buf.scatter_(3, dst, buf.gather(3, src))
-        self.lengths = [n + a for n, a in zip(self.lengths, n_keep)]
+        """keep[b]: indices (into the last forward's tokens, increasing) that row b keeps.
+
+        Only rows that keep something other than a prefix move data: AR steps, chains, prefills
+        and most tree steps keep their tokens where they were written."""
+        for b, row in enumerate(keep):
+            if row != list(range(len(row))):
+                n = self.lengths[b]
+                src = torch.tensor(row, device=self.device) + n
+                for buf in (self.k, self.v):
+                    buf[:, b, :, n : n + len(row)] = buf[:, b, :, src]  # src >= dst: read before written
+        self.lengths = [n + len(row) for n, row in zip(self.lengths, keep)]
 
     def row_range(self, start: int, stop: int) -> KVCache:
         """Rows start..stop-1 as a cache that writes into this one's buffers (a prefill chunk);
