@@ -34,7 +34,7 @@ from hydra import compose, initialize_config_dir
 from bastion.bench.datasets import chat_tokens, load_prompts
 from bastion.compose import build
 from bastion.engine import generate
-from bastion.train.cli import new_dflash_drafter, training_examples
+from bastion.train.cli import new_dflash_drafter, settle, training_examples
 from bastion.train.dflash import chain_aal, train_dflash
 from bastion.train.examples import Example
 
@@ -71,6 +71,7 @@ def main(steps: int, names: list[str], overrides: list[str]) -> None:
         raise SystemExit(f"unknown variant {unknown[0]!r}; choose from {', '.join(VARIANTS)}")
     with initialize_config_dir(str(ROOT / "conf"), version_base=None):
         cfg = compose("training", overrides=["drafter=dflash", "target=smollm2_135m", "device=cpu", *overrides])
+    settle(cfg)
     soft = [n for n in names if VARIANTS[n].get("optim", {}).get("soft_labels", cfg.recipe.optim.soft_labels)]
     if soft and not cfg.data.top_k:
         raise SystemExit(f"variant {soft[0]} trains on soft labels, which need data.top_k > 0 (or recipe.optim.soft_labels=0)")

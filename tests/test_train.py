@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 
+from bastion.compose import fast_bfloat16
 from bastion.drafters.dflash import DFlashDrafter, new_dflash_config
 from bastion.drafters.flexdraft import FlexDraftDrafter, load_flexdraft
 from bastion.models.target import load_target
@@ -91,8 +92,9 @@ def test_chat_requests_are_the_targets_own_and_the_list_grows_in_order(smollm2, 
     assert chat_prompts(smollm2, 12, tmp_path, batch_size=8, max_new_tokens=64)[:3] == first
 
 
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "autocast"])
 @pytest.mark.parametrize("kind", ["dflash", "flexdraft"])
-def test_training_learns_and_resumes(tiny, data, kind, tmp_path):
+def test_training_learns_and_resumes(tiny, data, kind, autocast, tmp_path):
     examples, val_examples = split_examples(to_examples(data[1]), 0.34)
     assert len(examples) == 4 and len(val_examples) == 2
     torch.manual_seed(0)
@@ -102,6 +104,7 @@ def test_training_learns_and_resumes(tiny, data, kind, tmp_path):
     else:
         drafter, train = FlexDraftDrafter(tiny, tuned_layers=1, group_size=4, calibration_hidden=16, mask_token_id=16), train_flexdraft
         kw = dict(seqs_per_step=2, anchors=8, lr=3e-3, lr_tuned=1e-3)
+    kw["autocast"] = autocast
     state = tmp_path / "state.pt"
     log = train(drafter, examples, state, steps=30, log_every=10, save_every=10, val_examples=val_examples, val_every=10, **kw)
     assert log[-1]["loss"] < log[0]["loss"]
@@ -119,6 +122,19 @@ def test_weight_decay_shrinks_weights_by_lr_times_decay_per_step(tmp_path):
     zero_loss = lambda batch: ((layer.weight * 0).sum(), torch.zeros(1), torch.ones(1))  # a zero gradient: only the decay moves it
     train_loop(layer, [{"params": [layer.weight], "lr": 0.1}], lambda gen: None, zero_loss, tmp_path / "state.pt", steps=1, weight_decay=0.5)
     torch.testing.assert_close(layer.weight.detach(), before * (1 - 0.1 * 0.5))
+
+
+def test_autocast_runs_forwards_in_bfloat16_and_keeps_float32_weights(tmp_path):
+    layer = torch.nn.Linear(3, 3)
+    seen = []
+
+    def loss_fn(batch):
+        y = layer(torch.ones(1, 3))
+        seen.append(y.dtype)
+        return y.float().square().sum(), torch.zeros(1), torch.ones(1)
+
+    train_loop(layer, [{"params": list(layer.parameters()), "lr": 0.1}], lambda gen: None, loss_fn, tmp_path / "state.pt", steps=2, autocast=True)
+    assert seen == [torch.bfloat16] * 2 and layer.weight.dtype == torch.float32
 
 
 def test_soft_cross_entropy_renormalises_over_the_draft_vocabulary():
@@ -158,11 +174,18 @@ def test_feature_noise_is_scaled_per_feature_by_its_std(tiny, data):
 def test_train_py_end_to_end(tmp_path):
     args = ["target=tiny_qwen3", "drafter=flexdraft", f"cache_dir={tmp_path}", "data.n_prompts=4", "data.batch_size=2",
             "data.max_new_tokens=8", "~data.mix.chat", "recipe.tuned_layers=1", "recipe.group_size=4", "recipe.calibration_hidden=8",
-            "recipe.optim.steps=3", "recipe.optim.anchors=4", f"recipe.output_dir={tmp_path / 'out'}", f"hydra.run.dir={tmp_path / 'run'}"]
+            "recipe.optim.steps=3", "recipe.optim.anchors=4", f"recipe.output_dir={tmp_path / 'out'}", f"hydra.run.dir={tmp_path / 'run'}",
+            "data.bfloat16=true", "recipe.optim.autocast=auto"]
     result = subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["tuned_layers"] == 1 and (tmp_path / "out" / "train_log.jsonl").exists()
+    # what ran is recorded: data decoded in bfloat16 (its meta says so), autocast settled to a bool
+    assert json.loads((tmp_path / "selfdistill" / "tiny_qwen3" / "meta.json").read_text())["dtype"] == "bfloat16"
+    assert "bfloat16: true" in (tmp_path / "out" / "train_config.yaml").read_text()
+    assert f"autocast: {str(fast_bfloat16('cpu')).lower()}" in (tmp_path / "out" / "train_config.yaml").read_text()
+    float32_data = subprocess.run([sys.executable, "train.py", *args[:-2], "data.bfloat16=false"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert "holds self-distillation data made with other settings" in float32_data.stderr
     tiny = load_target(**target_config("tiny_qwen3"))
     assert load_flexdraft(tiny, str(tmp_path / "out")).group_size == 4
     assert "train.py trains dflash and flexdraft drafters" in subprocess.run(

@@ -6,7 +6,7 @@ repacking is paid per step: on a 2-core EPYC a 2-token forward of SmolLM2-135M c
 against 68 ms for one token. Packing once at load time (oneDNN's own blocked layout) makes
 the 2..16-token forwards a verifier runs 15-35% cheaper (2 tokens: 73 ms) and leaves the
 1-token forward of AR decoding as fast as before, so every method, AR included, runs the same
-kernels. GPU runs, float64 models and training (autograd) keep the plain path.
+kernels. GPU runs, float64 models and training (autograd, autocast) keep the plain path.
 """
 
 from __future__ import annotations
@@ -48,9 +48,10 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias), on `packed` (pack_weight(weight)) when there is one and
-    autograd is off."""
-    if packed is None or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
+    """F.linear(x, weight, bias), on `packed` (pack_weight(weight)) when there is one, autograd
+    is off and autocast is not (it casts F.linear's inputs, not the packed kernel's)."""
+    if (packed is None or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+            or torch.is_autocast_enabled(x.device.type)):
         return F.linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 

@@ -10,7 +10,7 @@ import torch
 from datasets import concatenate_datasets
 from omegaconf import DictConfig, OmegaConf
 
-from bastion.compose import build_target, resolve_device
+from bastion.compose import build_target, resolve_bfloat16, resolve_device
 from bastion.drafters.dflash import DFlashDrafter, evenly_spaced_layers, new_dflash_config
 from bastion.drafters.flexdraft import FlexDraftDrafter
 from bastion.train.data import build_selfdistill, source_counts, source_prompts
@@ -24,15 +24,14 @@ RECIPES = ("dflash", "flexdraft")
 
 
 def train(cfg: DictConfig) -> None:
-    OmegaConf.set_struct(cfg, False)
-    cfg.device = resolve_device(cfg.device)
+    settle(cfg)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     if cfg.drafter.name not in RECIPES:
         raise ValueError(f"train.py trains {' and '.join(RECIPES)} drafters (got drafter={cfg.drafter.name}).")
     started = time.time()
-    target = build_target(cfg)  # packed on CPU: generating the data is inference (training runs plain kernels)
+    target = build_target(cfg)  # packed on CPU (training runs plain kernels)
     target.model.requires_grad_(False)
     layers, examples, val_examples = training_examples(cfg, target)
     recipe, state = cfg.recipe, Path(cfg.recipe.work_dir) / "train_state.pt"
@@ -55,11 +54,21 @@ def train(cfg: DictConfig) -> None:
     print(f"saved {out} ({(time.time() - started) / 60:.1f} min this run); last log: {json.dumps(log[-1])}")
 
 
+def settle(cfg: DictConfig) -> None:
+    """Settle the `auto` choices in place (device, bfloat16 data decoding and training autocast),
+    so that train_config.yaml and the data's meta record what ran."""
+    OmegaConf.set_struct(cfg, False)
+    cfg.device = resolve_device(cfg.device)
+    cfg.data.bfloat16 = resolve_bfloat16(cfg.data.bfloat16, cfg.device)
+    cfg.recipe.optim.autocast = resolve_bfloat16(cfg.recipe.optim.autocast, cfg.device)
+
+
 def training_examples(cfg: DictConfig, target) -> tuple[tuple[int, ...], list, list]:
     """The target feature layers recorded, and the self-distillation answers split into training
-    and held-out examples."""
+    and held-out examples. With `data.bfloat16` a bfloat16 copy of the target decodes them."""
     layers = tuple(evenly_spaced_layers(target.args.n_layers, cfg.data.n_feature_layers))
-    examples, val_examples = split_examples(to_examples(self_distillation(cfg, target, layers)), cfg.data.val_fraction)
+    decoder = build_target(cfg, "bfloat16") if cfg.data.bfloat16 else target
+    examples, val_examples = split_examples(to_examples(self_distillation(cfg, decoder, layers)), cfg.data.val_fraction)
     return layers, examples, val_examples
 
 
@@ -94,6 +103,8 @@ def self_distillation(cfg: DictConfig, target, layers: tuple[int, ...]):
     meta = {"target": target.name, "layers": list(layers), "max_new_tokens": d.max_new_tokens, "seed": cfg.seed}
     if d.top_k:  # (absent when 0, so data made before soft labels existed stays valid)
         meta["top_k"] = d.top_k
+    if d.bfloat16:  # (likewise absent for data decoded in the target's own float32)
+        meta["dtype"] = "bfloat16"
     meta_path = out / "meta.json"
     if meta_path.exists() and json.loads(meta_path.read_text()) != meta:
         raise ValueError(f"{out} holds self-distillation data made with other settings ({meta_path}); delete it or set data.dir.")

@@ -42,6 +42,7 @@ def train_loop(
     val_every: int = 100,
     val_metrics: Callable[[], dict] | None = None,
     run_key: dict | None = None,
+    autocast: bool = False,
 ) -> list[dict]:
     """Optimise `module` in place; resumable from `state_path`. Returns the log records
     (mean loss, accuracy per draft position, seconds per step, every `log_every` steps; and
@@ -49,12 +50,14 @@ def train_loop(
     over-fitting, and whatever `val_metrics` measures on held-out data).
 
     `run_key` names what the run learns from (data and recipe, not its length): a saved state
-    with another key is refused rather than resumed, so new data never continues an old run."""
+    with another key is refused rather than resumed, so new data never continues an old run.
+    `autocast`: forwards in bfloat16 mixed precision (weights and optimiser stay float32)."""
     for group in param_groups:
         group["peak"] = group["lr"]
     optimizer = torch.optim.AdamW(param_groups, betas=(0.9, 0.95), weight_decay=weight_decay)
     params = [p for g in param_groups for p in g["params"]]
     gen = torch.Generator().manual_seed(seed)
+    mixed = torch.autocast(params[0].device.type, torch.bfloat16, enabled=autocast)
     start, log = 0, []
     if state_path.exists():
         state = torch.load(state_path, weights_only=False)
@@ -71,7 +74,8 @@ def train_loop(
     for step in bar:
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, steps, group["peak"], warmup)
-        loss, step_hits, step_counts = loss_fn(batch_fn(gen))
+        with mixed:
+            loss, step_hits, step_counts = loss_fn(batch_fn(gen))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, grad_clip)
@@ -84,7 +88,8 @@ def train_loop(
                         "acc": [round(a, 4) for a in acc], "s_per_step": (time.time() - t0) / len(losses)})
             if val_batches and ((step + 1) % val_every == 0 or step + 1 == steps):
                 module.eval()
-                log[-1].update(evaluate(loss_fn, val_batches), **(val_metrics() if val_metrics else {}))
+                with mixed:
+                    log[-1].update(evaluate(loss_fn, val_batches), **(val_metrics() if val_metrics else {}))
                 module.train()
             bar.set_postfix(loss=f"{log[-1]['loss']:.3f}", acc1=f"{acc[0]:.3f}", acc4=f"{acc[min(3, len(acc) - 1)]:.3f}")
             hits = counts = 0
