@@ -82,13 +82,13 @@ def main(steps: int, names: list[str], overrides: list[str]) -> None:
     recipe = cfg.recipe
     for name in names:
         variant = dict(VARIANTS[name])
-        loop = {**recipe.optim, **variant.pop("optim", {}), "steps": steps, "save_every": steps, "log_every": 100}
+        loop = {**recipe.optim, **variant.pop("optim", {}), "steps": steps, "save_every": steps, "log_every": 100, "val_every": 100}
         knobs = {"layers": recipe.layers, "block_size": recipe.block_size, "data_share": 1.0, **variant}
         torch.manual_seed(cfg.seed)
         drafter = new_dflash_drafter(cfg, target, layers, examples, knobs["layers"], knobs["block_size"])
         train = examples[: int(len(examples) * knobs["data_share"])]
         with tempfile.TemporaryDirectory() as tmp:
-            log = train_dflash(drafter, train, Path(tmp) / "state.pt", **loop, val_examples=held_out, val_every=100, seed=cfg.seed)
+            log = train_dflash(drafter, train, Path(tmp) / "state.pt", **loop, val_examples=held_out, seed=cfg.seed)
         drafter.eval()
         optim = {k: loop[k] for k in ("gamma", "seqs_per_step", "anchors", "soft_labels", "feature_noise")}
         print(json.dumps({"variant": name, **knobs, "optim": optim, "train_answers": len(train), "held_out_answers": len(held_out),

@@ -19,10 +19,12 @@ class Example:
 def to_examples(dataset) -> list[Example]:
     """Rows with at least one anchor that can predict something."""
     examples = []
-    for row in dataset.with_format("torch"):
+    for row in dataset.with_format("torch"):  # (which reads float16 columns as float32: halved back per row)
         tokens, start = row["input_ids"].long(), int(row["answer_start"])
         if len(tokens) - 2 >= start:
-            examples.append(Example(tokens, row["features"], start, row.get("top_ids"), row.get("top_logprobs")))
+            top_ids, top_logprobs = row.get("top_ids"), row.get("top_logprobs")
+            examples.append(Example(tokens, row["features"].half(), start, None if top_ids is None else top_ids.int(),
+                                    None if top_logprobs is None else top_logprobs.half()))
     if not examples:
         raise ValueError("The self-distillation data holds no answer long enough to train on.")
     return examples
