@@ -16,7 +16,7 @@ from bastion.drafters.base import DraftContext, Drafter
 from bastion.models.kv_cache import fill_holes
 from bastion.models.target import Target
 from bastion.tree.draft_tree import DraftTree, pack
-from bastion.sampling import GREEDY, Sampling, pick
+from bastion.sampling import GREEDY, Sampling
 from bastion.verify import sample_children, verify_greedy, verify_sampled
 
 
@@ -116,13 +116,17 @@ def generate(
     stop_strings: tuple[str, ...] = (),
     sampling: Sampling = GREEDY,
     seed: int = 0,
+    keys: list[int] | None = None,
     record: tuple[int, ...] = (),
     record_top: int = 0,
 ) -> Decoding:
     """Decode a batch of prompts. Without a drafter this is plain AR decoding.
 
-    Greedy at temperature 0; otherwise sampled (seeded by `seed`) with every method drawing
-    from exactly AR's distribution.
+    Greedy at temperature 0; otherwise sampled with every method drawing from exactly AR's
+    distribution. Ranked trees draw keyed samples (sampling.py): the token at output position
+    t of prompt i depends only on (seed, keys[i], t), keys defaulting to the prompts' indices,
+    so the output equals AR's for the same seed and keys. Sampled trees draw from one stream
+    seeded by `seed`.
 
     `record` names target layers whose outputs are returned per prompt (Generation.features)
     for every token whose KV was committed: the training data of feature-conditioned drafters.
@@ -149,9 +153,10 @@ def generate(
 
     t0 = _now(device)
     last_hidden, features = _prefill(target, rows, cache, capture)
-    generator = None if sampling.greedy else torch.Generator(device=device).manual_seed(seed)
+    generator = None if sampling.keyed else torch.Generator(device=device).manual_seed(seed)
+    keys = torch.tensor(range(len(prompts)) if keys is None else keys, device=device)  # [P] per prompt
     first_logits = target.logits(last_hidden)  # [B, V]
-    first = pick(first_logits, sampling, generator)
+    first = _first_tokens(first_logits, sampling, seed, keys[active], generator)
     decoding = Decoding([Generation([], "") for _ in prompts], prefill_s=_now(device) - t0)
     tops = [[] for _ in prompts]  # per prompt: (ids, log-probs) [1, k] of each new token
     if record_top:
@@ -194,8 +199,9 @@ def generate(
         t3 = _now(device)
         if record_top:
             _record_top(tops, active, logits[:, 0], record_top)  # AR: M = 1
-        if sampling.greedy:
-            verdicts = verify_greedy(logits, trees)
+        if sampling.keyed:
+            start = torch.tensor([len(decoding.generations[i].tokens) for i in active], device=device)  # [B] output position of each root's next token
+            verdicts = verify_greedy(sampling.scores(logits, seed, keys[active], start, tree_depths), trees)
         else:
             verdicts = verify_sampled(logits, trees, sampling, generator, draft_probs)
         cache.commit([v.path for v in verdicts])
@@ -231,6 +237,14 @@ def generate(
         for gen, top in zip(decoding.generations, tops):
             gen.top_ids, gen.top_logprobs = (torch.cat(part)[: len(gen.tokens)] for part in zip(*top))
     return decoding
+
+
+def _first_tokens(logits: torch.Tensor, sampling: Sampling, seed: int, keys: torch.Tensor, generator) -> list[int]:
+    """The token prefill produces (output position 0) per row from logits [B, V]."""
+    if sampling.keyed:
+        zeros = torch.zeros(len(keys), 1, dtype=torch.long, device=logits.device)
+        return sampling.scores(logits[:, None], seed, keys, zeros[:, 0], zeros)[:, 0].argmax(-1).tolist()
+    return torch.multinomial(sampling.probs(logits), 1, generator=generator)[:, 0].tolist()
 
 
 def _record_top(tops: list[list], active: list[int], logits: torch.Tensor, k: int) -> None:

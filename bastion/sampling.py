@@ -3,6 +3,14 @@
 At temperature > 0 "lossless" means the output distribution equals that of AR sampling, so
 both draw from exactly the same processed distribution: logits / temperature, then top-k,
 then top-p. Temperature 0 is greedy decoding.
+
+Sampling is keyed, not streamed: the token at output position t of a row is
+argmax(log p + g), with Gumbel noise g fixed by (seed, the row's key, t) alone (Gumbel-max).
+Every method then draws exactly AR's token wherever its context equals AR's, so with ranked
+children a verifier accepts a draft iff it is that token: the output equals AR's for the same
+seed whatever the tree, its size or the machine's timings, and `lossless` at T > 0 is token
+equality again. Acceptance is what rejection sampling over ranked children gives (a set of
+children holds the sample with probability p(set) either way).
 """
 
 from __future__ import annotations
@@ -20,11 +28,10 @@ class Sampling:
     top_k: int = 0  # 0: no top-k filter
     top_p: float = 1.0  # 1: no nucleus filter
     # How a tree's children relate to the draft distribution q when temperature > 0:
-    #   sampled: children drawn from q without replacement; accept x w.p. min(1, p(x)/q(x)) (SpecInfer, Sequoia)
-    #   ranked:  children are the policy's top-ranked tokens; accept x w.p. p(x) (EAGLE)
-    # ranked is the default: BASTION (best_first + bastion budget) accepted ~10% more with it at
-    # T=1 on GSM8K and MATH-500 (SmolLM2-135M, our DFlash drafter); chain and static trees did
-    # slightly better with sampled children (issue 6 note).
+    #   ranked:  children are the policy's top-ranked tokens; accept x iff it is the keyed
+    #            Gumbel-max sample (module docstring): outputs equal AR's for the same seed
+    #   sampled: children drawn from q without replacement; accept x w.p. min(1, p(x)/q(x))
+    #            (SpecInfer, Sequoia): lossless in distribution only, from a seeded stream
     tree_mode: str = "ranked"
 
     def __post_init__(self):
@@ -55,11 +62,53 @@ class Sampling:
         return probs
 
 
+    @property
+    def keyed(self) -> bool:
+        """Tokens are keyed Gumbel-max samples (greedy is the noiseless case)."""
+        return self.greedy or self.tree_mode == "ranked"
+
+    def scores(self, logits: torch.Tensor, seed: int, keys: torch.Tensor, start: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
+        """logits [B, M, V] of tree nodes at `depths` [B, M] below roots whose next token is
+        output position `start` [B], rows keyed `keys` [B] -> scores whose argmax is the keyed
+        sample: the logits themselves at temperature 0, else log p + Gumbel noise (float64, so
+        the noise's tail survives the sum). Noise is drawn once per depth, not per node."""
+        if self.greedy:
+            return logits
+        levels = int(depths.max()) + 1
+        noise = gumbel(seed, keys, start[:, None] + torch.arange(levels, device=start.device), logits.shape[-1])  # [B, D, V]
+        noise = noise.gather(1, depths[:, :, None].expand(-1, -1, logits.shape[-1]))  # [B, M, V]
+        return self.probs(logits).double().log() + noise
+
+
 GREEDY = Sampling()
 
+_MASK32 = 0xFFFFFFFF
 
-def pick(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> list[int]:
-    """One token per row from logits [B, V]: argmax at temperature 0, else a draw."""
-    if sampling.greedy:
-        return logits.argmax(-1).tolist()
-    return torch.multinomial(sampling.probs(logits), 1, generator=generator)[:, 0].tolist()
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """x * c mod 2^32 for x in [0, 2^32), exact in int64 (no product exceeds 2^48)."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _MASK32
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash with good avalanche (C. Wellons' lowbias32), on int64 tensors."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def gumbel(seed: int, keys: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Standard Gumbel noise [B, M, V] (float64) that depends only on (seed, keys[b],
+    positions[b, m], token): a counter-based generator, so any tree visiting a position draws
+    the same noise as AR did, on any device, in any order."""
+    keys, positions = keys.to(torch.int64) & _MASK32, positions.to(torch.int64) & _MASK32
+    seed_word = _hash32(_hash32(torch.tensor(seed & _MASK32)) ^ ((seed >> 32) & _MASK32))
+    row = _hash32(_hash32(keys) ^ seed_word.to(keys.device))  # [B]; seed and key hashed apart, so (seed, key) pairs never swap
+    cell = _hash32(row[:, None] ^ _hash32(positions))  # [B, M]
+    salt = _hash32(cell ^ 0x5BD1E995)  # a second, independent word per cell
+    token = torch.arange(vocab, device=positions.device, dtype=torch.int64)
+    bits = _hash32(_hash32(cell[..., None] ^ token) ^ salt[..., None])  # [B, M, V]
+    uniform = (bits.double() + 0.5) / 2**32
+    return -torch.log(-torch.log(uniform))

@@ -49,16 +49,17 @@ def verify_sampled(
     trees: list[DraftTree],
     sampling: Sampling,
     generator: torch.Generator,
-    draft_probs: torch.Tensor | None = None,
+    draft_probs: torch.Tensor | None,
 ) -> list[Verdict]:
-    """Temperature > 0: multi-draft recursive rejection sampling down the tree.
+    """Temperature > 0 with sampled children: multi-draft recursive rejection sampling down
+    the tree (SpecInfer, Sequoia). Ranked children need none of this: they are verified
+    greedily against keyed Gumbel-max scores (sampling.py).
 
-    At each node the children are tried in order against the target's distribution p there.
-    With `draft_probs` [B, K, V] (children sampled from q without replacement, SpecInfer /
-    Sequoia) child x is accepted w.p. min(1, p(x)/q(x)); on rejection p <- norm(max(p - q, 0))
-    and q loses x. Without it (children chosen by rank, EAGLE) x is accepted w.p. p(x); on
-    rejection p(x) <- 0. When every child is rejected the bonus token is drawn from what is
-    left of p. Either way the output is distributed exactly as AR sampling from p.
+    At each node the children, drawn from q = draft_probs [B, K, V] without replacement, are
+    tried in order against the target's distribution p there: child x is accepted w.p.
+    min(1, p(x)/q(x)); on rejection p <- norm(max(p - q, 0)) and q loses x. When every child
+    is rejected the bonus token is drawn from what is left of p, so the output is distributed
+    exactly as AR sampling from p. `draft_probs` is None only for root-only trees (AR steps).
     """
     target_probs = sampling.probs(logits)  # [B, M, V]
     verdicts = []
@@ -66,19 +67,12 @@ def verify_sampled(
         node, path, new = 0, [0], []
         while True:
             p = target_probs[b, node]
-            q = draft_probs[b, tree.depths[node]].clone() if draft_probs is not None and tree.children[node] else None
             child = None
-            for c in tree.children[node]:
-                x = tree.tokens[c]
-                u = torch.rand((), generator=generator, device=p.device).item()
-                if q is None:
-                    if u < p[x].item():
-                        child = c
-                        break
-                    p = p.clone()
-                    p[x] = 0.0
-                    p = p / p.sum()
-                else:
+            if tree.children[node]:
+                q = draft_probs[b, tree.depths[node]].clone()
+                for c in tree.children[node]:
+                    x = tree.tokens[c]
+                    u = torch.rand((), generator=generator, device=p.device).item()
                     if u * q[x].item() < p[x].item():
                         child = c
                         break

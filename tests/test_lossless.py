@@ -17,6 +17,7 @@ from bastion.drafters.flexdraft import load_flexdraft
 from bastion.drafters.ngram import NgramDrafter
 from bastion.engine import _chunk_ends, generate
 from bastion.models.packed_linear import prepack_linears
+from bastion.sampling import Sampling
 from bastion.tree.best_first import best_first
 from bastion.tree.chain import chain
 from bastion.tree.static import static
@@ -211,3 +212,40 @@ def test_stop_strings_end_every_method_at_the_same_token(tiny_llama):
     spec = generate(tiny_llama, prompts, drafter=oracle, policy=best_first, budget=FixedBudget(8), max_new_tokens=24,
                     stop_strings=(stop,)).generations
     assert [g.tokens for g in spec] == [g.tokens for g in ar] and [g.finish for g in spec] == [g.finish for g in ar]
+
+
+@pytest.mark.parametrize("name", ["tiny_qwen3", "tiny_llama"])
+def test_sampled_outputs_equal_ar_for_the_same_seed(name, request, tmp_path):
+    """Temperature > 0, ranked children: every policy and budget, the BASTION budget sizing
+    trees by this machine's real timings included, gives AR's sampled output token for token,
+    and so does a second run with the same seed (keyed Gumbel-max sampling, sampling.py)."""
+    from bastion.budget.controller import BastionBudget
+    from bastion.budget.hardware import HardwareProfile
+
+    target = request.getfixturevalue(name)
+    prompts = random_prompts(6, seed=4)
+    for sampling in (Sampling(1.0), Sampling(0.8, top_k=40, top_p=0.9)):
+        ar = [g.tokens for g in generate(target, prompts, max_new_tokens=20, sampling=sampling, seed=7).generations]
+        assert ar != ar_outputs(target, prompts, 20)
+        assert ar != [g.tokens for g in generate(target, prompts, max_new_tokens=20, sampling=sampling, seed=8).generations]
+        oracle = OracleDrafter(dict(zip(map(tuple, prompts), ar)), vocab=49152, top_k=4)
+        methods = [(policy, FixedBudget(n)) for policy in POLICIES for n in (2, 8)]
+        for _ in range(2):
+            bastion = BastionBudget(max_nodes=16, calibrate=False, calibrate_acceptance=False)
+            bastion.start(target, HardwareProfile("cpu", {"float64": 0.05}, 8.0, 1.0), tmp_path)
+            methods.append(("best_first", bastion))
+        for policy, budget in methods:
+            d = generate(target, prompts, drafter=oracle, policy=POLICIES[policy], budget=budget, max_new_tokens=20,
+                         sampling=sampling, seed=7)
+            for prompt, exp, gen in zip(prompts, ar, d.generations):
+                assert gen.tokens == exp, f"{name} {policy} {type(budget).__name__} at T={sampling.temperature}: output differs from AR's"
+            assert max(max(s.produced) for s in d.steps) >= 3
+
+
+def test_sampled_output_keys_follow_the_prompt_not_the_batch(tiny_qwen3):
+    """A prompt's keyed sample is the same alone or in any batch, given its key."""
+    prompts = random_prompts(4, seed=6)
+    sampling = Sampling(1.0)
+    batch = generate(tiny_qwen3, prompts, max_new_tokens=12, sampling=sampling, seed=1, keys=[10, 11, 12, 13]).generations
+    alone = generate(tiny_qwen3, prompts[2:3], max_new_tokens=12, sampling=sampling, seed=1, keys=[12]).generations
+    assert batch[2].tokens == alone[0].tokens

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import bastion.engine
+import bastion.sampling
 from bastion.budget.fixed import FixedBudget
 from bastion.drafters.base import BlockProposal, DraftContext
 from bastion.drafters.flexdraft import FlexDraftDrafter
@@ -181,10 +182,31 @@ def argmax_verifier(logits, trees, sampling, generator, draft_probs=None):
 
 def test_argmax_acceptance_fails_the_test(tiny16, monkeypatch):
     table = context_logits(tiny16)
-    sampling = Sampling(1.0, tree_mode="ranked")
+    sampling = Sampling(1.0, tree_mode="sampled")
     monkeypatch.setattr(bastion.engine, "verify_sampled", argmax_verifier)
     counts = sample_counts(tiny16, sampling, methods(table, tiny16)["best_first"])
     assert chi_square_p_value(counts, exact_joint(table, sampling)) < 1e-6
+
+
+def test_noise_shared_across_positions_fails_the_test(tiny16, monkeypatch):
+    """The bug keyed sampling must not have: the same Gumbel noise at every output position
+    (say, keyed by the step's root instead of each node's own position) ties each token to the
+    ones before it. AR alone shows it."""
+    real = bastion.sampling.gumbel
+    monkeypatch.setattr(bastion.sampling, "gumbel", lambda seed, keys, positions, vocab: real(seed, keys, positions * 0, vocab))
+    sampling = Sampling(1.0)
+    assert chi_square_p_value(sample_counts(tiny16, sampling), exact_joint(context_logits(tiny16), sampling)) < 1e-6
+
+
+def test_keyed_noise_is_standard_gumbel_and_independent():
+    """Moments of the counter-based noise, and no correlation between neighbouring keys,
+    positions and tokens (what a weak hash would leave)."""
+    g = bastion.sampling.gumbel(3, torch.arange(64), torch.arange(32).expand(64, 32), 512)  # [64, 32, 512]
+    assert abs(g.mean() - 0.5772) < 0.01 and abs(g.var() - math.pi**2 / 6) < 0.02
+    for a, b in [(g[1:], g[:-1]), (g[:, 1:], g[:, :-1]), (g[..., 1:], g[..., :-1])]:
+        assert abs(torch.corrcoef(torch.stack([a.flatten(), b.flatten()]))[0, 1]) < 0.01
+    again = bastion.sampling.gumbel(3, torch.tensor([5]), torch.tensor([[7]]), 512)
+    assert torch.equal(again[0, 0], g[5, 7]) and not torch.equal(bastion.sampling.gumbel(4, torch.tensor([5]), torch.tensor([[7]]), 512), again)
 
 
 def test_same_seed_same_output(tiny16):
