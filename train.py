@@ -2,10 +2,13 @@
 
     python train.py drafter=dflash target=smollm2_135m
     python train.py drafter=dflash target=smollm2_135m recipe.optim.steps=200   # shorter
+    python train.py drafter=dflash target=smollm2_135m logger=wandb             # the training log to W&B too
 Rerunning the same command resumes: finished data shards and the last checkpoint are kept.
 """
 
 from __future__ import annotations
+
+import logging
 
 import hydra
 from omegaconf import DictConfig
@@ -16,6 +19,7 @@ def main(cfg: DictConfig) -> None:
     from bastion.errors import user_errors
     from bastion.train.cli import train
 
+    logging.captureWarnings(True)  # warnings too reach train.log, through Hydra's job logging
     with user_errors():
         train(cfg)
 

@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
+from typing import Sequence
 
 import torch
+from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import OverrideType
 from hydra.utils import get_object
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
-from bastion.bench.runner import Method
-from bastion.budget.fixed import FixedBudget
 from bastion.budget.hardware import HardwareProfile, profile_from_config
+from bastion.engine import generate
 from bastion.models.packed_linear import prepack_linears
+from bastion.sampling import GREEDY, Sampling
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
@@ -34,12 +40,46 @@ def build(node: DictConfig | None, **kwargs):
     return factory(**spec, **kwargs)
 
 
+def command_line_overrides() -> list[str]:
+    """The overrides Hydra composed this run from; none when Hydra did not start it (tests
+    calling an entry point's function directly)."""
+    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+
+
+def replace_dict_overrides(cfg: DictConfig, overrides: Sequence[str]) -> DictConfig:
+    """Make each override `key={...}` set `key` to exactly that dict: Hydra merges it into the
+    config's dict, so `data.mix={gsm8k: 1.0}` would silently keep the other sources. Overrides
+    inside that key that come after it (`key.sub=v`, `~key.sub`) apply again on top, as they
+    did on Hydra's merge. Returns `cfg`, changed in place."""
+    replaced = []
+    for override in OverridesParser.create().parse_overrides(list(overrides)):
+        key = override.key_or_group
+        if override.is_hydra_override() or override.is_sweep_override():
+            continue
+        if override.type != OverrideType.DEL and isinstance(override.value(), dict):
+            OmegaConf.update(cfg, key, override.value(), merge=False, force_add=True)
+            replaced.append(key)
+        elif any(key.startswith(f"{r}.") for r in replaced):
+            reapply(cfg, override)
+    return cfg
+
+
+def reapply(cfg: DictConfig, override) -> None:
+    if override.type != OverrideType.DEL:
+        OmegaConf.update(cfg, override.key_or_group, override.value(), merge=False, force_add=True)
+        return
+    parent, _, leaf = override.key_or_group.rpartition(".")
+    node = OmegaConf.select(cfg, parent)
+    with open_dict(node):
+        node.pop(leaf, None)
+
+
 def build_target(cfg: DictConfig, dtype: str | None = None):
     """The run's target (in `dtype` instead of target.dtype when given), its linear weights
     prepacked for CPU inference when `packed_weights` is on (see models/packed_linear.py; a
-    no-op on GPU)."""
+    no-op on GPU). A packaged model is converted under the run's cache_dir."""
     node = cfg.target if dtype is None else OmegaConf.merge(cfg.target, {"dtype": dtype})
-    return packed(cfg, build(node, name=cfg.target.name))
+    return packed(cfg, build(node, name=cfg.target.name, cache_dir=cfg.cache_dir))
 
 
 def packed(cfg: DictConfig, target_or_drafter):
@@ -75,31 +115,109 @@ def hardware(cfg: DictConfig) -> HardwareProfile:
     return profile_from_config(OmegaConf.to_container(cfg.gpu, resolve=True), cfg.device, [k for k in known if k["name"] != "auto"])
 
 
-def build_methods(cfg: DictConfig, target) -> list[Method]:
+@dataclass
+class Method:
+    """One decoding method: AR is the one without a drafter. `settings` is everything in the
+    config that shapes its outputs and timings (see `method_settings`)."""
+
+    name: str
+    drafter: object | None = None
+    policy: object | None = None
+    budget: object | None = None
+    oracle: str | None = None  # an oracle sweep's fixed budgets share the name their best is reported under
+    settings: dict = field(default_factory=dict)
+
+    def generate(self, target, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling = GREEDY,
+                 seed: int = 0, stop: tuple[str, ...] = (), keys: list[int] | None = None):
+        return generate(target, prompts, drafter=self.drafter, policy=self.policy, budget=self.budget,
+                        max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, keys=keys, stop_strings=stop)
+
+
+@dataclass(frozen=True)
+class MethodPlan:
+    """A method as configured, before any model loads: enough to validate and fingerprint it."""
+
+    name: str
+    node: DictConfig | None  # the run's config with this method's choices swapped in; None for AR
+    budget: DictConfig | None  # its budget entry (one fixed size of an oracle sweep each)
+    oracle: str | None = None
+
+
+CONTROL = "ar_control"  # the A/A control's method name
+
+
+def plan_methods(cfg: DictConfig) -> list[MethodPlan]:
     """AR plus the composed method, or AR plus every entry of `methods` (an experiment's list);
-    `budget=oracle` expands into one fixed budget per size of its sweep. Methods sharing a
-    drafter configuration share one drafter instance."""
+    `budget=oracle` expands into one fixed budget per size of its sweep. With `control` on,
+    AR again last (CONTROL): decoded after the other methods in every batch, the same work as
+    AR, so its speedup over AR is the run's own noise floor and shows any cost that comes with
+    a method's place in the batch order."""
+    if not isinstance(cfg.get("control", False), bool):
+        raise ValueError(f"control must be true or false (got {cfg.control!r}).")
     specs = OmegaConf.to_container(cfg.methods) if cfg.get("methods") else [{}]
-    profile, drafters, methods = None, {}, [Method("ar")]
+    plans = [MethodPlan("ar", None, None)]
     for spec in specs:
         node = method_config(cfg, spec)
         if "_target_" not in node.drafter:
             continue
-        key = json.dumps(OmegaConf.to_container(node.drafter, resolve=True), sort_keys=True)
-        if key not in drafters:
-            drafters[key] = packed(cfg, build(node.drafter, target=target))
-        policy = build(node.tree)
-        if node.budget.name == "oracle":
-            budgets = [(f"fixed{n}", FixedBudget(n)) for n in node.budget.sweep]
-        else:
-            budgets = [(node.budget.name, build(node.budget))]
-        profile = profile or hardware(cfg)
         prefix = f"{node.drafter.name}+{node.tree.name}"
-        oracle = spec.get("name", f"{prefix}+oracle") if node.budget.name == "oracle" else None
-        for budget_name, budget in budgets:
-            budget.start(target, profile, Path(cfg.cache_dir))
-            name = spec.get("name") if not oracle and spec.get("name") else f"{prefix}+{budget_name}"
-            methods.append(Method(name, drafters[key], policy, budget, oracle))
+        if node.budget.name == "oracle":
+            oracle = spec.get("name", f"{prefix}+oracle")
+            for n in node.budget.sweep:
+                fixed = OmegaConf.merge(OmegaConf.load(CONF_DIR / "budget" / "fixed.yaml"), {"nodes": n})
+                plans.append(MethodPlan(f"{prefix}+fixed{n}", node, fixed, oracle))
+        else:
+            plans.append(MethodPlan(spec.get("name") or f"{prefix}+{node.budget.name}", node, node.budget))
+    if cfg.get("control"):
+        plans.append(MethodPlan(CONTROL, None, None))
+    return plans
+
+
+def method_settings(cfg: DictConfig, plan: MethodPlan) -> dict:
+    """What shapes a method's records: the target, decoding, seed and machine settings, and
+    for drafting methods the drafter (with a digest of its checkpoint's files), tree and budget."""
+    settings = {key: OmegaConf.to_container(cfg[key], resolve=True) if OmegaConf.is_config(cfg[key]) else cfg[key]
+                for key in ("target", "decode", "seed", "device", "threads", "packed_weights")}
+    if plan.node is not None:
+        for group, node in (("drafter", plan.node.drafter), ("tree", plan.node.tree), ("budget", plan.budget),
+                            ("gpu", plan.node.gpu)):
+            settings[group] = OmegaConf.to_container(node, resolve=True)
+        if plan.node.drafter.get("checkpoint"):
+            settings["drafter_files"] = files_digest(plan.node.drafter.checkpoint)
+    return settings
+
+
+def files_digest(source: str) -> str:
+    """A digest of a local checkpoint directory's files (names and bytes), or the source
+    itself when it is a Hub id: retraining into the same directory changes it."""
+    path = Path(source).expanduser()
+    if not path.is_dir():
+        return source
+    digest = hashlib.sha256()
+    for file in sorted(p for p in path.iterdir() if p.is_file() and p.suffix in (".json", ".safetensors")):
+        digest.update(file.name.encode())
+        with open(file, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 22), b""):
+                digest.update(chunk)
+    return digest.hexdigest()[:16]
+
+
+def build_methods(cfg: DictConfig, target, plans: list[MethodPlan]) -> list[Method]:
+    """The planned methods' objects. Methods sharing a drafter configuration share one drafter
+    instance."""
+    profile, drafters, methods = None, {}, []
+    for plan in plans:
+        settings = method_settings(cfg, plan)
+        if plan.node is None:
+            methods.append(Method(plan.name, settings=settings))
+            continue
+        key = json.dumps(settings["drafter"], sort_keys=True)
+        if key not in drafters:
+            drafters[key] = packed(cfg, build(plan.node.drafter, target=target))
+        budget = build(plan.budget)
+        profile = profile or hardware(cfg)
+        budget.start(target, profile, Path(cfg.cache_dir))
+        methods.append(Method(plan.name, drafters[key], build(plan.node.tree), budget, plan.oracle, settings))
     return methods
 
 

@@ -7,17 +7,20 @@ size the trees, run them through the target in one forward, accept, commit the K
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import torch
 
 from bastion.drafters.base import DraftContext, Drafter
-from bastion.models.kv_cache import fill_holes
+from bastion.models.kv_cache import KVCache, fill_holes
 from bastion.models.target import Target
-from bastion.tree.draft_tree import DraftTree, pack
+from bastion.models.timer import now
+from bastion.recorder import Recorder
 from bastion.sampling import GREEDY, Sampling
+from bastion.tree.draft_tree import DraftTree, pack
 from bastion.verify import sample_children, verify_greedy, verify_sampled
+
+NOTHING = Recorder()  # generate records nothing beside its tokens by default
 
 
 @dataclass
@@ -41,9 +44,6 @@ class Generation:
     tokens: list[int]  # new tokens, the stopping token included
     finish: str  # "eos" | "length" | "stop"
     steps: int = 0  # decode steps (target forwards after prefill) this row took part in
-    features: torch.Tensor | None = None  # [prompt + new - 1, F] recorded target features (CPU, fp16)
-    top_ids: torch.Tensor | None = None  # [new, k] the target's k likeliest tokens at each new token (CPU, int32)
-    top_logprobs: torch.Tensor | None = None  # [new, k] their log-probs (CPU, fp16)
 
 
 @dataclass
@@ -86,13 +86,6 @@ class Stopper:
         return any(s in tail for s in self.stop_strings)
 
 
-def _now(device: torch.device) -> float:
-    """A timer read that waits for queued device work first, so times are honest on GPUs."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
-
-
 def check_prompts(target: Target, prompts: list[list[int]], max_new_tokens: int) -> None:
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("Every prompt needs at least one token.")
@@ -102,6 +95,33 @@ def check_prompts(target: Target, prompts: list[list[int]], max_new_tokens: int)
             f"A prompt of {longest} tokens plus max_new_tokens={max_new_tokens} exceeds the context of "
             f"{target.name} ({target.args.max_position} tokens); shorten the prompt or lower max_new_tokens."
         )
+
+
+@dataclass
+class _Method:
+    """How a batch is decoded: everything a step reads and does not change."""
+
+    target: Target
+    drafter: Drafter | None
+    policy: object
+    budget: object
+    sampling: Sampling
+    seed: int
+    keys: torch.Tensor  # [P] the key each prompt is sampled under
+    generator: torch.Generator | None  # sampled trees' stream (keyed sampling needs none)
+    capture: tuple[int, ...]  # target layers whose outputs the forwards return
+    recorder: Recorder
+    stopper: Stopper
+
+
+@dataclass
+class _Batch:
+    """What a step updates: the rows still decoding and what they have produced."""
+
+    cache: KVCache
+    ctx: DraftContext
+    active: list[int]  # the prompt each cache row decodes
+    decoding: Decoding
 
 
 @torch.inference_mode()
@@ -117,8 +137,7 @@ def generate(
     sampling: Sampling = GREEDY,
     seed: int = 0,
     keys: list[int] | None = None,
-    record: tuple[int, ...] = (),
-    record_top: int = 0,
+    recorder: Recorder = NOTHING,
 ) -> Decoding:
     """Decode a batch of prompts. Without a drafter this is plain AR decoding.
 
@@ -126,117 +145,113 @@ def generate(
     distribution. Ranked trees draw keyed samples (sampling.py): the token at output position
     t of prompt i depends only on (seed, keys[i], t), keys defaulting to the prompts' indices,
     so the output equals AR's for the same seed and keys. Sampled trees draw from one stream
-    seeded by `seed`.
-
-    `record` names target layers whose outputs are returned per prompt (Generation.features)
-    for every token whose KV was committed: the training data of feature-conditioned drafters.
-    `record_top` (AR decoding only) returns the target's k most likely tokens and their
-    log-probs at every new token (Generation.top_ids / top_logprobs): soft labels for them.
+    seeded by `seed`. A `recorder` (recorder.py) keeps training data along the way.
     """
-    stopper = Stopper(target.eos_ids, max_new_tokens, stop_strings, target.tokenizer)
     check_prompts(target, prompts, max_new_tokens)
-    if drafter is not None and (policy is None or budget is None):
-        raise ValueError("A drafter needs a tree policy and a budget controller.")
+    capture = _check_method(drafter, policy, budget, recorder)
     device = target.device
-    capture = tuple(drafter.feature_layers) if drafter else tuple(record)
-    if record and tuple(record) != capture:
-        raise ValueError("record must name the drafter's feature layers (or be used without a drafter)")
-    if record_top and drafter is not None:
-        raise ValueError("record_top records AR decoding's distributions: use it without a drafter")
     max_nodes = budget.max_nodes if drafter else 0
-    rides_along = hasattr(drafter, "verify_forward")  # drafts inside the verification forward when it pays
-    extra = drafter.extra_tokens(max_nodes) if rides_along else 0
-    capacity = max(len(p) for p in prompts) + max_new_tokens + max_nodes + 1 + extra
+    capacity = max(len(p) for p in prompts) + max_new_tokens + max_nodes + 1 + (drafter.extra_tokens(max_nodes) if drafter else 0)
     cache = target.new_cache(len(prompts), capacity)
     active = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # the prompt each cache row decodes
     rows = [prompts[i] for i in active]  # shortest first, so that prefill chunks waste little on padding
-
-    t0 = _now(device)
-    last_hidden, features = _prefill(target, rows, cache, capture)
+    keys = torch.tensor(range(len(prompts)) if keys is None else keys, device=device)
     generator = None if sampling.keyed else torch.Generator(device=device).manual_seed(seed)
-    keys = torch.tensor(range(len(prompts)) if keys is None else keys, device=device)  # [P] per prompt
+    method = _Method(target, drafter, policy, budget, sampling, seed, keys, generator, capture, recorder,
+                     Stopper(target.eos_ids, max_new_tokens, stop_strings, target.tokenizer))
+
+    t0 = now(device)
+    last_hidden, features = _prefill(target, rows, cache, capture)
     first_logits = target.logits(last_hidden)  # [B, V]
     first = _first_tokens(first_logits, sampling, seed, keys[active], generator)
-    decoding = Decoding([Generation([], "") for _ in prompts], prefill_s=_now(device) - t0)
-    tops = [[] for _ in prompts]  # per prompt: (ids, log-probs) [1, k] of each new token
-    if record_top:
-        _record_top(tops, active, first_logits, record_top)
-    recorded = [[] for _ in prompts]  # per prompt: its recorded features, prefill first
-    if record:
-        for row, (i, p) in enumerate(zip(active, rows)):
-            recorded[i].append(features[row, : len(p)].to("cpu", torch.float16))
-
-    keep = _extend_outputs(decoding, active, [[t] for t in first], stopper, step=False)
+    decoding = Decoding([Generation([], "") for _ in prompts], prefill_s=now(device) - t0)
+    recorder.record(active, [len(p) for p in rows], features, first_logits)
+    keep = _extend_outputs(decoding, active, [[t] for t in first], method.stopper, step=False)
     if drafter is not None:
         drafter.reset(len(prompts), capacity)
     ctx = DraftContext([list(p) + [t] for p, t in zip(rows, first)], features, [len(p) for p in rows], cache)
-    active = _keep_rows(keep, active, cache, drafter, ctx)
-
-    while active:
-        t0 = _now(device)
-        roots = [seq[-1] for seq in ctx.sequences]
-        proposal = None
-        if drafter is not None:
-            if budget.drafts() and drafter.drafts(ctx):
-                proposal = drafter.propose(ctx)
-            else:  # the budget or the drafter chose an AR step; the drafter still reads the new tokens
-                drafter.absorb(ctx)
-        t1 = _now(device)
-        contexts = list(cache.lengths)
-        trees = budget.size(policy(proposal, max_nodes), contexts) if proposal is not None else [DraftTree.root_only(r) for r in roots]
-        draft_probs = None
-        if proposal is not None and not sampling.greedy and sampling.tree_mode == "sampled":
-            draft_probs = proposal.distributions(sampling, target.args.vocab_size)
-            trees = [sample_children(tree, draft_probs[b], generator) for b, tree in enumerate(trees)]
-        tree_tokens, tree_depths, tree_mask = pack(trees, device)
-        t2 = _now(device)
-        parallel = proposal is not None and rides_along and drafter.parallel(trees, contexts)
-        if parallel:
-            hidden, features = drafter.verify_forward(cache, trees, tree_tokens, tree_depths, tree_mask), None
-        else:
-            hidden, features = target.forward(tree_tokens, tree_depths, tree_mask, cache, capture)
-        logits = target.logits(hidden)  # [B, M, V]
-        t3 = _now(device)
-        if record_top:
-            _record_top(tops, active, logits[:, 0], record_top)  # AR: M = 1
-        if sampling.keyed:
-            start = torch.tensor([len(decoding.generations[i].tokens) for i in active], device=device)  # [B] output position of each root's next token
-            verdicts = verify_greedy(sampling.scores(logits, seed, keys[active], start, tree_depths), trees)
-        else:
-            verdicts = verify_sampled(logits, trees, sampling, generator, draft_probs)
-        cache.commit([v.path for v in verdicts])
-        if parallel:
-            drafter.accept([v.path for v in verdicts])
-        if capture:
-            features = _gather_paths(features, [v.path for v in verdicts])
-            if record:
-                for row, (i, v) in enumerate(zip(active, verdicts)):
-                    recorded[i].append(features[row, : len(v.path)].to("cpu", torch.float16))
-        ctx = DraftContext([seq + v.tokens for seq, v in zip(ctx.sequences, verdicts)], features, [len(v.path) for v in verdicts], cache)
-        keep = _extend_outputs(decoding, active, [v.tokens for v in verdicts], stopper, step=True)
-        step_rows, active = active, _keep_rows(keep, active, cache, drafter, ctx)
-        t4 = _now(device)
-        step = Step(
-            rows=step_rows,
-            tree_sizes=[t.n_nodes for t in trees],
-            produced=[len(v.tokens) for v in verdicts],
-            expected=[t.expected_accepted() for t in trees],
-            draft_s=t1 - t0,
-            verify_s=t3 - t2,
-            other_s=(t2 - t1) + (t4 - t3),
-            predicted_verify_s=budget.predicted_s if proposal is not None else None,
-        )
-        if proposal is not None:  # what ran: the trees, plus the mask groups of parallel drafting
-            budget.observe(step, contexts, drafter.forward_width if parallel else tree_tokens.shape[1])
-            step.other_s += _now(device) - t4  # the controller's own refits are part of the step
-        decoding.steps.append(step)
-    if record:
-        for gen, prompt, parts in zip(decoding.generations, prompts, recorded):
-            gen.features = torch.cat(parts)[: len(prompt) + len(gen.tokens) - 1]
-    if record_top:
-        for gen, top in zip(decoding.generations, tops):
-            gen.top_ids, gen.top_logprobs = (torch.cat(part)[: len(gen.tokens)] for part in zip(*top))
+    batch = _Batch(cache, ctx, _keep_rows(keep, active, cache, drafter, ctx), decoding)
+    while batch.active:
+        decoding.steps.append(_step(method, batch))
+    recorder.finish(prompts, [g.tokens for g in decoding.generations])
     return decoding
+
+
+def _check_method(drafter: Drafter | None, policy, budget, recorder: Recorder) -> tuple[int, ...]:
+    """Refuse a method that cannot run; return the target layers its forwards capture."""
+    if drafter is not None and (policy is None or budget is None):
+        raise ValueError("A drafter needs a tree policy and a budget controller.")
+    capture = tuple(drafter.feature_layers) if drafter else recorder.layers
+    if recorder.layers and recorder.layers != capture:
+        raise ValueError("A recorder must record the drafter's feature layers (or be used without a drafter).")
+    if recorder.top_k and drafter is not None:
+        raise ValueError("Top-k recording records AR decoding's distributions: use it without a drafter.")
+    return capture
+
+
+def _step(m: _Method, batch: _Batch) -> Step:
+    """One decode step: draft, build and size the trees, verify them in one target forward,
+    accept, commit the KV cache, and let finished rows leave the batch."""
+    device, ctx, cache = m.target.device, batch.ctx, batch.cache
+    t0 = now(device)
+    proposal = None
+    if m.drafter is not None:
+        if m.budget.drafts() and m.drafter.drafts(ctx):
+            proposal = m.drafter.propose(ctx)
+        else:  # the budget or the drafter chose an AR step; the drafter still reads the new tokens
+            m.drafter.absorb(ctx)
+    t1 = now(device)
+    contexts = list(cache.lengths)
+    if proposal is None:
+        trees, draft_probs = [DraftTree.root_only(seq[-1]) for seq in ctx.sequences], None
+    else:
+        trees, draft_probs = _draft_trees(m, proposal, contexts)
+    tokens, depths, tree_mask = pack(trees, device)
+    t2 = now(device)
+    if proposal is None:
+        hidden, features = m.target.forward(tokens, depths, tree_mask, cache, m.capture)
+    else:  # the drafter's verification forward (FlexDraft drafts inside it when that pays)
+        hidden, features, width = m.drafter.verify_forward(m.target, cache, trees, tokens, depths, tree_mask, m.capture, contexts)
+    logits = m.target.logits(hidden)  # [B, M, V]
+    t3 = now(device)
+    verdicts = _verify(m, batch, logits, trees, depths, draft_probs)
+    paths = [v.path for v in verdicts]
+    cache.commit(paths)
+    if proposal is not None:
+        m.drafter.accept(paths)
+    if m.capture:
+        features = _gather_paths(features, paths)
+    m.recorder.record(batch.active, [len(p) for p in paths], features, logits[:, 0])
+    batch.ctx = DraftContext([seq + v.tokens for seq, v in zip(ctx.sequences, verdicts)], features, [len(p) for p in paths], cache)
+    keep = _extend_outputs(batch.decoding, batch.active, [v.tokens for v in verdicts], m.stopper, step=True)
+    rows, batch.active = batch.active, _keep_rows(keep, batch.active, cache, m.drafter, batch.ctx)
+    t4 = now(device)
+    step = Step(rows, [t.n_nodes for t in trees], [len(v.tokens) for v in verdicts], [t.expected_accepted() for t in trees],
+                draft_s=t1 - t0, verify_s=t3 - t2, other_s=(t2 - t1) + (t4 - t3),
+                predicted_verify_s=m.budget.predicted_s if proposal is not None else None)
+    if proposal is not None:  # what ran: the trees, plus the mask groups of parallel drafting
+        m.budget.observe(step, contexts, width)
+        step.other_s += now(device) - t4  # the controller's own refits are part of the step
+    return step
+
+
+def _draft_trees(m: _Method, proposal, contexts: list[int]):
+    """The policy's trees sized by the budget; with sampled children at T > 0 their children
+    drawn from the draft distributions q [B, K, V] (returned too, for verification)."""
+    trees = m.budget.size(m.policy(proposal, m.budget.max_nodes), contexts)
+    if m.sampling.keyed:
+        return trees, None
+    draft_probs = proposal.distributions(m.sampling, m.target.args.vocab_size)
+    return [sample_children(tree, draft_probs[b], m.generator) for b, tree in enumerate(trees)], draft_probs
+
+
+def _verify(m: _Method, batch: _Batch, logits: torch.Tensor, trees: list[DraftTree], depths: torch.Tensor, draft_probs):
+    """Each row's accepted path and new tokens: greedily against keyed scores, or by rejection
+    sampling of sampled children."""
+    if not m.sampling.keyed:
+        return verify_sampled(logits, trees, m.sampling, m.generator, draft_probs)
+    start = torch.tensor([len(batch.decoding.generations[i].tokens) for i in batch.active], device=logits.device)  # [B] output position after each root
+    return verify_greedy(m.sampling.scores(logits, m.seed, m.keys[batch.active], start, depths), trees)
 
 
 def _first_tokens(logits: torch.Tensor, sampling: Sampling, seed: int, keys: torch.Tensor, generator) -> list[int]:
@@ -245,14 +260,6 @@ def _first_tokens(logits: torch.Tensor, sampling: Sampling, seed: int, keys: tor
         zeros = torch.zeros(len(keys), 1, dtype=torch.long, device=logits.device)
         return sampling.scores(logits[:, None], seed, keys, zeros[:, 0], zeros)[:, 0].argmax(-1).tolist()
     return torch.multinomial(sampling.probs(logits), 1, generator=generator)[:, 0].tolist()
-
-
-def _record_top(tops: list[list], active: list[int], logits: torch.Tensor, k: int) -> None:
-    """Append each active row's k likeliest next tokens and their log-probs (logits [B, V])."""
-    logprobs, ids = torch.log_softmax(logits.float(), -1).topk(k, -1)
-    ids, logprobs = ids.to("cpu", torch.int32), logprobs.to("cpu", torch.float16)
-    for row, i in enumerate(active):
-        tops[i].append((ids[row : row + 1], logprobs[row : row + 1]))
 
 
 def _prefill(target: Target, rows: list[list[int]], cache, capture: tuple[int, ...], slack: float = 1.25):

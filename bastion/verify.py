@@ -18,13 +18,6 @@ class Verdict:
     tokens: list[int]  # new tokens: the accepted draft tokens, then the target's bonus token
 
 
-def matched_prefix(drafts: torch.Tensor, truth: torch.Tensor) -> int:
-    """How many of a chain's drafts [K] a greedy verifier accepts, given the target's tokens
-    after the chain's root [T]: the length of their common prefix."""
-    n = min(len(drafts), len(truth))
-    return int((drafts[:n] == truth[:n]).int().cumprod(0).sum())
-
-
 def verify_greedy(logits: torch.Tensor, trees: list[DraftTree]) -> list[Verdict]:
     """Temperature 0: follow the child equal to the target's argmax as deep as it goes; the
     argmax at the last accepted node is the bonus token. logits: [B, M, V]."""

@@ -32,8 +32,9 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from bastion.bench.datasets import chat_tokens, load_prompts
-from bastion.compose import build
+from bastion.compose import build, replace_dict_overrides
 from bastion.engine import generate
+from bastion.recorder import FeatureRecorder
 from bastion.train.cli import new_dflash_drafter, settle, training_examples
 from bastion.train.dflash import chain_aal, train_dflash
 from bastion.train.examples import Example
@@ -60,8 +61,9 @@ def bench_answers(target, layers: tuple[int, ...], n: int = 20, max_new_tokens: 
     answers = {}
     for bench in BENCHES:
         prompts = [chat_tokens(target.tokenizer, [{"role": "user", "content": p.turns[0]}]) for p in load_prompts(bench, limit=n)]
-        decoding = generate(target, prompts, max_new_tokens=max_new_tokens, record=layers)
-        answers[bench] = [Example(torch.tensor(p + g.tokens), g.features, len(p)) for p, g in zip(prompts, decoding.generations)]
+        recorder = FeatureRecorder(layers)
+        decoding = generate(target, prompts, max_new_tokens=max_new_tokens, recorder=recorder)
+        answers[bench] = [Example(torch.tensor(p + g.tokens), f, len(p)) for p, g, f in zip(prompts, decoding.generations, recorder.features)]
     return answers
 
 
@@ -71,6 +73,7 @@ def main(steps: int, names: list[str], overrides: list[str]) -> None:
         raise SystemExit(f"unknown variant {unknown[0]!r}; choose from {', '.join(VARIANTS)}")
     with initialize_config_dir(str(ROOT / "conf"), version_base=None):
         cfg = compose("training", overrides=["drafter=dflash", "target=smollm2_135m", "device=cpu", *overrides])
+    replace_dict_overrides(cfg, overrides)  # data.mix={...} means that mix alone, as in train.py
     settle(cfg)
     soft = [n for n in names if VARIANTS[n].get("optim", {}).get("soft_labels", cfg.recipe.optim.soft_labels)]
     if soft and not cfg.data.top_k:

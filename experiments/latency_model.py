@@ -19,7 +19,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from bastion.budget.latency import calibrated, probe
-from bastion.compose import build, build_target, hardware, resolve_device
+from bastion.compose import build_target, hardware, resolve_device
 
 ROOT = Path(__file__).resolve().parents[1]
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)

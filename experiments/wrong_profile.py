@@ -15,7 +15,6 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 

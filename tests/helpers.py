@@ -4,32 +4,19 @@ from __future__ import annotations
 
 import math
 import random
+from pathlib import Path
 
 import torch
+from omegaconf import OmegaConf
 
-from bastion.drafters.base import BlockProposal, DraftContext
+from bastion.compose import build
+from bastion.drafters.base import DraftContext, Drafter
 from bastion.engine import generate
+from bastion.tree.proposal import BlockProposal
+from tests.conftest import ROOT
 
 
-class StatelessDrafter:
-    """A test drafter's no-op bookkeeping: everything it needs is in the DraftContext."""
-
-    feature_layers = ()
-
-    def reset(self, batch_size, capacity):
-        pass
-
-    def keep_rows(self, rows):
-        pass
-
-    def drafts(self, ctx):
-        return True
-
-    def absorb(self, ctx):
-        pass
-
-
-class OracleDrafter(StatelessDrafter):
+class OracleDrafter(Drafter):
     """Knows each prompt's AR continuation and hides it among decoys: at each position the
     true token sits at a random rank, or is missing with probability `miss`. Trees then accept
     deep paths through non-first ranks and reject elsewhere, which exercises masks, positions
@@ -76,3 +63,15 @@ def assert_same_tokens(target, prompt, expected: list[int], got: list[int], labe
     top2 = target.score(prompt + expected[:at])[-1].topk(2).values
     gap = float(top2[0] - top2[1])
     raise AssertionError(f"{label}: output differs from AR at token {at} (AR logit gap top1-top2 there: {gap:.3g})")
+
+
+def configured(group: str, conf_dir: Path = ROOT / "conf") -> list[str]:
+    """The choices of a config group that build something (drafter=none does not): the
+    lossless tests run every one, so a new tree policy or drafter is tested by adding its file
+    and its yaml, with no test to edit."""
+    return [p.stem for p in sorted((conf_dir / group).glob("*.yaml")) if "_target_" in OmegaConf.load(p)]
+
+
+def build_choice(group: str, name: str, conf_dir: Path = ROOT / "conf", **kwargs):
+    """The object a config group's choice builds, as run.py builds it (`kwargs`: its live inputs)."""
+    return build(OmegaConf.load(conf_dir / group / f"{name}.yaml"), **kwargs)

@@ -1,5 +1,6 @@
 """Benchmarks: the offline copies and their documented sizes, MT-Bench's second turn, custom
-prompt files, and a run killed mid-way that resumes without losing or repeating a record."""
+prompt files, a warm-up at the run's batch size, the A/A control, and a run killed mid-way
+that resumes without losing or repeating a record."""
 
 from __future__ import annotations
 
@@ -8,14 +9,17 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import pandas as pd
 import pytest
+from hydra import compose, initialize_config_dir
 
 from bastion.bench.datasets import BENCHES, Prompt, load_prompts
 from bastion.bench.records import read_records
-from bastion.bench.runner import Method, decode_batch
-from tests.test_errors import ROOT
+from bastion.bench.runner import Method, decode_batch, run_methods
+from bastion.compose import CONTROL, plan_methods
+from tests.test_errors import ROOT, run_py
 
 
 @pytest.mark.parametrize("name,size", [("gsm8k", 1319), ("math500", 500), ("humaneval", 164), ("mbpp", 257), ("mt_bench", 80)])
@@ -58,19 +62,24 @@ class FakeGeneration:
     steps: int = 1
 
 
+@dataclass
+class Recording(Method):
+    """A method that answers " answerN" to its Nth call and keeps the prompts of every call."""
+
+    calls: list = field(default_factory=list)
+
+    def generate(self, target, prompts, *args, **kwargs):
+        self.calls.append(prompts)
+        answer = target.tokenizer.encode(f" answer{len(self.calls)}")
+        return FakeDecoding([FakeGeneration(list(answer)) for _ in prompts])
+
+
 def test_second_turn_continues_with_the_models_own_answer(tiny_qwen3):
     """The second user turn is sent after the model's first answer, in the same conversation."""
-    seen = []
-
-    class Recording(Method):
-        def generate(self, target, prompts, *args, **kwargs):
-            seen.append(prompts)
-            answer = target.tokenizer.encode(f" answer{len(seen)}")
-            return FakeDecoding([FakeGeneration(list(answer)) for _ in prompts])
-
+    method = Recording("fake")
     prompt = load_prompts("mt_bench", limit=1)[0]
-    records = decode_batch(tiny_qwen3, Recording("fake"), [prompt], "mt_bench", 4)
-    first, second = (tiny_qwen3.tokenizer.decode(p[0]) for p in seen)
+    records = decode_batch(tiny_qwen3, method, [prompt], "mt_bench", 4)
+    first, second = (tiny_qwen3.tokenizer.decode(p[0]) for p in method.calls)
     assert second.startswith(first) and "answer1" in second and prompt.turns[1] in second
     assert records[0]["turns"] == 2 and records[0]["text"] == [" answer1", " answer2"]
 
@@ -95,3 +104,44 @@ def test_killed_run_resumes_without_losing_or_repeating_records(tmp_path):
     keys = [(r["method"], r["prompt_id"]) for r in after]
     assert len(after) == 24 and len(set(keys)) == 24
     assert after[: len(before)] == before  # what was written before the kill is kept as it was
+
+
+def test_warm_up_decodes_the_first_batch_at_the_runs_batch_size(tiny_qwen3, tmp_path):
+    """The untimed warm-up decodes the first batch itself, at the run's batch size, so that
+    every method's first timed batch runs shapes it has run before (a batch-1 warm-up did not)."""
+    methods = [Recording("ar"), Recording("other")]
+    run_methods(tiny_qwen3, methods, load_prompts("gsm8k", limit=5), "gsm8k", tmp_path, 4, batch_size=4)
+    for method in methods:
+        assert [len(call) for call in method.calls] == [4, 4, 1]  # warm-up, then the batches
+
+
+def composed(*overrides: str):
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        return compose("config", overrides=list(overrides))
+
+
+def test_control_is_ar_again_after_the_composed_methods():
+    without = [p.name for p in plan_methods(composed("drafter=ngram", "budget=fixed"))]
+    plans = plan_methods(composed("drafter=ngram", "budget=fixed", "control=true"))
+    assert len(without) == 2 and [p.name for p in plans] == [*without, CONTROL] and plans[-1].node is None
+    assert [p.name for p in plan_methods(composed("experiment=demo"))][-1] == CONTROL  # on in every experiment
+    with pytest.raises(ValueError, match="control must be true or false"):
+        plan_methods(composed("drafter=ngram", "control=maybe"))
+
+
+def test_run_records_its_machine_and_its_noise_floor(tmp_path):
+    """control=true: AR decoded again last in every batch, equal to AR token for token; the
+    summary carries the spread and the machine, profile, dtype and commit of machine.json."""
+    result = run_py("target=tiny_qwen3", "drafter=ngram", "budget=fixed", "budget.nodes=4", "bench.limit=3",
+                    "decode.max_new_tokens=6", "control=true", f"hydra.run.dir={tmp_path}")
+    assert result.returncode == 0, result.stderr[-2000:]
+    order = [(r["batch_id"], r["method"]) for r in read_records(tmp_path / "results.jsonl")]
+    assert [m for _, m in order] == ["ar", "ngram+best_first+fixed4", CONTROL] * 3
+    machine = json.loads((tmp_path / "machine.json").read_text())
+    summary = pd.read_csv(tmp_path / "summary.csv").set_index("method")
+    control = summary.loc[CONTROL]
+    assert bool(control.lossless) and 0 < control.speedup_lo <= control.speedup <= control.speedup_hi
+    assert "only 3 prompt(s): too few" in control.note
+    for key in ("device", "profile", "dtype", "commit"):
+        assert (summary[key].fillna("") == (machine[key] or "")).all()
+    assert machine["profile"] == "auto" and machine["dtype"] == "float32"

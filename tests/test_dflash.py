@@ -15,6 +15,7 @@ from bastion.budget.fixed import FixedBudget
 from bastion.drafters.base import DraftContext
 from bastion.drafters.dflash import DFlashDrafter, evenly_spaced_layers, load_dflash, new_dflash_config
 from bastion.engine import generate
+from bastion.recorder import FeatureRecorder
 from bastion.train.data import file_prompts
 from bastion.train.dflash import chain_aal
 from bastion.train.examples import Example
@@ -152,10 +153,11 @@ def test_chain_aal_walks_the_steps_chain_decoding_takes(smollm2_packed):
     drafter = load_dflash(target, str(ROOT / "checkpoints" / "dflash_smollm2_135m"))
     prompts = [chat_tokens(target.tokenizer, [{"role": "user", "content": text}]) for _, text in file_prompts("gsm8k", 4, seed=5)]
     layers = tuple(drafter.config["dflash_config"]["target_layer_ids"])
-    answers = generate(target, prompts, max_new_tokens=64, record=layers).generations
+    recorder = FeatureRecorder(layers)
+    answers = generate(target, prompts, max_new_tokens=64, recorder=recorder).generations
     walked, decoded = [], []
-    for prompt, answer in zip(prompts, answers):
-        example = Example(torch.tensor(prompt + answer.tokens), answer.features, len(prompt))
+    for prompt, answer, features in zip(prompts, answers, recorder.features):
+        example = Example(torch.tensor(prompt + answer.tokens), features, len(prompt))
         walked.append((len(answer.tokens) - 1) / chain_aal(drafter, [example]))
         decoding = generate(target, [prompt], drafter=drafter, policy=chain, budget=FixedBudget(drafter.block_size - 1), max_new_tokens=64)
         assert decoding.generations[0].tokens == answer.tokens

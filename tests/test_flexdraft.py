@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from bastion.budget.fixed import FixedBudget
-from bastion.budget.latency import LatencyModel, ForwardCost
+from bastion.budget.latency import ForwardCost, LatencyModel
 from bastion.drafters.base import DraftContext
 from bastion.drafters.flexdraft import FlexDraftDrafter, load_flexdraft
 from bastion.engine import generate
@@ -48,7 +48,7 @@ def test_parallel_group_equals_the_sequential_draft(tiny_qwen3, node):
     prefix = list(range(400, 420))
     cache = committed_cache(tiny_qwen3, prefix)
     tokens, depths, mask = pack([TREE], "cpu")
-    hidden = drafter.verify_forward(cache, [TREE], tokens, depths, mask)
+    hidden, _ = drafter.verify_and_draft(cache, [TREE], tokens, depths, mask)
     # verification sees exactly what a plain target forward sees
     plain = committed_cache(tiny_qwen3, prefix)
     expected, _ = tiny_qwen3.forward(tokens, depths, mask, plain)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from functools import partial
 
 import numpy as np
 import pytest
@@ -12,19 +11,18 @@ import torch
 
 from bastion.bench.datasets import chat_tokens, load_prompts
 from bastion.budget.fixed import FixedBudget
-from bastion.drafters.dflash import load_dflash
-from bastion.drafters.flexdraft import load_flexdraft
+from bastion.compose import build
 from bastion.drafters.ngram import NgramDrafter
 from bastion.engine import _chunk_ends, generate
 from bastion.models.packed_linear import prepack_linears
+from bastion.recorder import FeatureRecorder
 from bastion.sampling import Sampling
 from bastion.tree.best_first import best_first
 from bastion.tree.chain import chain
-from bastion.tree.static import static
 from tests.conftest import ROOT
-from tests.helpers import OracleDrafter, ar_outputs, assert_same_tokens
+from tests.helpers import OracleDrafter, ar_outputs, assert_same_tokens, build_choice, configured
 
-POLICIES = {"chain": chain, "best_first": best_first, "static": partial(static, shape="eagle1_25")}
+POLICIES = {name: build_choice("tree", name) for name in configured("tree")}  # every conf/tree/*.yaml
 BUDGETS = (1, 2, 8, 64)
 
 
@@ -81,25 +79,29 @@ def test_batched_ar_equals_each_prompt_alone(tiny_qwen3):
     prompts = [[rng.randrange(3, 49152) for _ in range(n)] for n in (90, 4, 33, 5, 120, 31, 6)]
     assert len(_chunk_ends(sorted(map(len, prompts)), 1.25)) >= 3
     target, expected = with_eos_mid_output(tiny_qwen3, prompts, 20)
-    batched = generate(target, prompts, max_new_tokens=20, record=(0, 1)).generations
-    for prompt, exp, gen in zip(prompts, expected, batched):
-        alone = generate(target, [prompt], max_new_tokens=20, record=(0, 1)).generations[0]
-        assert gen.tokens == exp == alone.tokens
-        torch.testing.assert_close(gen.features, alone.features, rtol=0, atol=0)
+    recorder = FeatureRecorder((0, 1))
+    batched = generate(target, prompts, max_new_tokens=20, recorder=recorder).generations
+    for prompt, exp, gen, features in zip(prompts, expected, batched, recorder.features):
+        alone = FeatureRecorder((0, 1))
+        assert gen.tokens == exp == generate(target, [prompt], max_new_tokens=20, recorder=alone).generations[0].tokens
+        torch.testing.assert_close(features, alone.features[0], rtol=0, atol=0)
 
 
 def test_recorded_top_tokens_are_the_targets_own_distribution(tiny_qwen3):
-    """record_top in a batch (rows leaving at different steps) gives each new token the
+    """Top-k recording in a batch (rows leaving at different steps) gives each new token the
     target's k likeliest tokens and log-probs, as scoring the finished sequence alone does."""
     prompts = random_prompts(4, seed=2)
     target, expected = with_eos_mid_output(tiny_qwen3, prompts, 12)
-    for prompt, exp, gen in zip(prompts, expected, generate(target, prompts, max_new_tokens=12, record_top=3).generations):
-        assert gen.tokens == exp and gen.top_ids.shape == gen.top_logprobs.shape == (len(exp), 3)
+    recorder = FeatureRecorder(top_k=3)
+    generations = generate(target, prompts, max_new_tokens=12, recorder=recorder).generations
+    for prompt, exp, gen, top_ids, top_logprobs in zip(prompts, expected, generations, recorder.top_ids, recorder.top_logprobs):
+        assert gen.tokens == exp and top_ids.shape == top_logprobs.shape == (len(exp), 3)
         logprobs, ids = torch.log_softmax(target.score(prompt + exp)[len(prompt) - 1 : -1], -1).topk(3, -1)
-        assert gen.top_ids.tolist() == ids.tolist() and gen.top_ids[:, 0].tolist() == exp
-        torch.testing.assert_close(gen.top_logprobs.float(), logprobs.float(), atol=2e-3, rtol=2e-3)  # stored in fp16
-    with pytest.raises(ValueError, match="record_top records AR decoding"):
-        generate(target, prompts[:1], drafter=OracleDrafter({}, vocab=49152), policy=chain, budget=FixedBudget(2), record_top=3)
+        assert top_ids.tolist() == ids.tolist() and top_ids[:, 0].tolist() == exp
+        torch.testing.assert_close(top_logprobs.float(), logprobs.float(), atol=2e-3, rtol=2e-3)  # stored in fp16
+    with pytest.raises(ValueError, match="Top-k recording records AR decoding"):
+        generate(target, prompts[:1], drafter=OracleDrafter({}, vocab=49152), policy=chain, budget=FixedBudget(2),
+                 recorder=FeatureRecorder(top_k=3))
 
 
 def test_prefill_chunks_keep_padding_within_the_slack():
@@ -135,15 +137,41 @@ def test_smollm2_lossless(smollm2_packed, smol_case):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["dflash", "flexdraft"])
-def test_smollm2_lossless_with_the_committed_drafters(smollm2_packed, smol_case, kind):
-    """The drafters trained by train.py and committed under checkpoints/ (what the demo uses)."""
+@pytest.mark.parametrize("kind", configured("drafter"))
+def test_smollm2_lossless_with_every_configured_drafter(smollm2_packed, smol_case, kind):
+    """Every conf/drafter/*.yaml as run.py builds it for SmolLM2 (the trained ones are the
+    drafters committed under checkpoints/, what the demo uses), in its always-drafting mode."""
+    from tests.test_errors import composed
+
     prompts, expected, max_new = smol_case
-    checkpoint = str(ROOT / "checkpoints" / f"{kind}_smollm2_135m")
-    load = load_dflash if kind == "dflash" else load_flexdraft
-    drafter = prepack_linears(load(smollm2_packed, checkpoint, top_k=4))
+    cfg = composed("target=smollm2_135m", f"drafter={kind}")
+    if "mode" in cfg.drafter:
+        cfg.drafter.mode = "sequential"
+    drafter = prepack_linears(build(cfg.drafter, target=smollm2_packed))
     for policy, budget in [("chain", 8), ("best_first", 1), ("best_first", 8), ("best_first", 64)]:
         check(smollm2_packed, prompts, expected, drafter, policy, budget, max_new, f"smollm2 {kind}")
+
+
+def test_a_new_policy_is_tested_by_adding_its_yaml(tmp_path, tiny_qwen3):
+    """A throwaway policy (a new file's function and a yaml naming it) joins the lossless
+    tests' policies with no test edited, and decodes losslessly."""
+    (tmp_path / "tree").mkdir()
+    (tmp_path / "tree" / "chain.yaml").write_text((ROOT / "conf" / "tree" / "chain.yaml").read_text())
+    (tmp_path / "tree" / "top2_chain.yaml").write_text(
+        "name: top2_chain\n_target_: tests.test_lossless.second_ranked_chain\n_partial_: true\n")
+    assert configured("tree", tmp_path) == ["chain", "top2_chain"]
+    policy = build_choice("tree", "top2_chain", tmp_path)
+    prompts = random_prompts(3, seed=2)
+    expected = ar_outputs(tiny_qwen3, prompts, 12)
+    oracle = OracleDrafter(dict(zip(map(tuple, prompts), expected)), vocab=49152, top_k=2)
+    d = generate(tiny_qwen3, prompts, drafter=oracle, policy=policy, budget=FixedBudget(4), max_new_tokens=12)
+    assert [g.tokens for g in d.generations] == expected
+
+
+def second_ranked_chain(proposal, max_nodes):
+    """The throwaway policy: a chain of each position's second candidate."""
+    flipped = dataclasses.replace(proposal, tokens=proposal.tokens.flip(-1), logprobs=proposal.logprobs.flip(-1))
+    return chain(flipped, max_nodes)
 
 
 def on_exact_hardware(budget):
@@ -234,12 +262,14 @@ def test_sampled_outputs_equal_ar_for_the_same_seed(name, request, tmp_path):
             bastion = BastionBudget(max_nodes=16, calibrate=False, calibrate_acceptance=False)
             bastion.start(target, HardwareProfile("cpu", {"float64": 0.05}, 8.0, 1.0), tmp_path)
             methods.append(("best_first", bastion))
+        deepest = 0
         for policy, budget in methods:
             d = generate(target, prompts, drafter=oracle, policy=POLICIES[policy], budget=budget, max_new_tokens=20,
                          sampling=sampling, seed=7)
             for prompt, exp, gen in zip(prompts, ar, d.generations):
                 assert gen.tokens == exp, f"{name} {policy} {type(budget).__name__} at T={sampling.temperature}: output differs from AR's"
-            assert max(max(s.produced) for s in d.steps) >= 3
+            deepest = max(deepest, *(max(s.produced) for s in d.steps))
+        assert deepest >= 4, "trees should accept deep paths"
 
 
 def test_sampled_output_keys_follow_the_prompt_not_the_batch(tiny_qwen3):

@@ -1,4 +1,5 @@
-"""The report: paper tables with hand-computed cells, files and plots, multirun merging, oracle rows."""
+"""The report: paper tables with hand-computed cells, the speedup's spread, the runs' machines, files and
+plots, multirun merging, oracle rows."""
 
 from __future__ import annotations
 
@@ -9,9 +10,15 @@ import sys
 import pandas as pd
 import pytest
 
-from bastion.bench.metrics import (aal_by_tree_size, accepted_length_histogram, depth_acceptance_rate,
-                                   tree_size_distribution)
-from bastion.report import load, main, write_report
+from bastion.bench.metrics import (
+    aal_by_tree_size,
+    accepted_length_histogram,
+    depth_acceptance_rate,
+    summarize,
+    tree_size_distribution,
+)
+from bastion.bench.provenance import MACHINE_FILE
+from bastion.bench.report import load, main, write_report
 from tests.conftest import ROOT
 
 METHOD = "ngram+best_first+bastion"
@@ -58,8 +65,9 @@ def test_tables_files_and_plots_of_one_run(tmp_path):
     assert r"\multicolumn{4}{l}{T=0.0, batch 1}" in tex
 
     csv = pd.read_csv(tmp_path / "report.csv").set_index(["method", "bench"])
-    assert list(csv.reset_index().columns) == ["method", "bench", "temperature", "batch_size", "speedup", "aal",
-                                               "tokens_per_s", "tpot_ms", "ttft_ms", "lossless", "n_prompts"]
+    assert list(csv.reset_index().columns) == ["method", "bench", "temperature", "batch_size", "speedup", "speedup_lo",
+                                               "speedup_hi", "aal", "tokens_per_s", "tpot_ms", "ttft_ms", "lossless",
+                                               "n_prompts"]
     ar = csv.loc[("ar", "gsm8k")]
     assert ar.tokens_per_s == pytest.approx(12.2) and ar.tpot_ms == pytest.approx(10_000 / 122)
     assert ar.ttft_ms == pytest.approx(100) and ar.n_prompts == 2 and ar.batch_size == 1
@@ -72,7 +80,7 @@ def test_tables_files_and_plots_of_one_run(tmp_path):
 
 def test_command_line_prints_the_table_and_writes_to_out(tmp_path):
     run_dir = write_run(tmp_path / "run")
-    result = subprocess.run([sys.executable, "-m", "bastion.report", str(run_dir), "--out", str(tmp_path / "report")],
+    result = subprocess.run([sys.executable, "-m", "bastion.bench.report", str(run_dir), "--out", str(tmp_path / "report")],
                             cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert ROW in result.stdout
@@ -140,3 +148,62 @@ def test_step_metrics_by_hand(tmp_path):
     assert depth[["method", "depth", "steps", "rate"]].values.tolist() == [
         [METHOD, 1, 100, 1.0], [METHOD, 2, 100, 0.4], [METHOD, 3, 40, 0.0]]
     assert aal_by_tree_size(steps)[["size_bin", "aal", "steps"]].values.tolist() == [[2, 2.0, 60], [8, 3.0, 40]]
+
+
+def timed_records(walls: dict[str, list[float]], per_batch: int, bench: str = "gsm8k", prompts: int | None = None):
+    """Records of methods whose batches (of `per_batch` prompts) took `walls` seconds each; a
+    method's first `prompts` prompts only when given."""
+    rows = []
+    for method, times in walls.items():
+        for b, wall in enumerate(times):
+            for i in range(per_batch):
+                rows.append({"method": method, "bench": bench, "prompt_id": f"{bench}/{b * per_batch + i}",
+                             "batch_id": f"{bench}/{b * per_batch}", "batch_wall_s": wall, "new_tokens": 9, "steps": 8,
+                             "turns": 1, "prefill_s": 0.1, "temperature": 0.0, "tokens": [1] * 9})
+    records = pd.DataFrame(rows)
+    if prompts is None:
+        return records
+    return records[(records.method == "ar") | (records.groupby("method").cumcount() < prompts)]
+
+
+def test_speedup_interval_bounds_the_speedup_from_the_batches():
+    """AR's batches over the method's: 10/5 = 2.0, 12/8 = 1.5, 9/4 = 2.25, 11/6 = 1.83; the
+    speedup is 42/23 = 1.83, and every resampled ratio of sums lies within the batch ratios."""
+    summary = summarize(timed_records({"ar": [10, 12, 9, 11], METHOD: [5, 8, 4, 6]}, per_batch=2)).set_index("method")
+    ours = summary.loc[METHOD]
+    assert ours.speedup == pytest.approx(42 / 23)
+    assert 1.5 <= ours.speedup_lo < ours.speedup < ours.speedup_hi <= 2.25
+    assert ours.note == ""  # 8 prompts in 4 batches: nothing to warn about
+    assert summary.loc["ar", ["speedup", "speedup_lo", "speedup_hi"]].tolist() == [1.0, 1.0, 1.0]
+    assert summarize(timed_records({"ar": [10, 12, 9, 11], METHOD: [5, 8, 4, 6]}, per_batch=2)).equals(
+        summarize(timed_records({"ar": [10, 12, 9, 11], METHOD: [5, 8, 4, 6]}, per_batch=2)))  # no random drift
+
+
+def test_a_speedup_from_few_prompts_or_one_batch_is_noted():
+    one_batch = summarize(timed_records({"ar": [10], METHOD: [5]}, per_batch=3)).set_index("method")
+    assert one_batch.loc[METHOD].speedup == 2.0 and pd.isna(one_batch.loc[METHOD].speedup_lo)
+    assert one_batch.loc[METHOD].note == ("spread blank: one batch (the interval resamples batches); "
+                                          "only 3 prompt(s): too few for a reliable speedup (use 5 or more)")
+    assert one_batch.loc["ar"].note == ""  # AR's speedup is 1 by definition
+    partial = summarize(timed_records({"ar": [10, 10], METHOD: [5, 5]}, per_batch=2, prompts=3)).set_index("method")
+    assert partial.loc[METHOD].note == ("speedup blank: 0 of its 3 prompts have no AR record, "
+                                        "1 of AR's 4 have none of its")
+
+
+def test_report_shows_the_spread_and_each_runs_machine(tmp_path):
+    machine = {"device": "AMD EPYC", "amx": False, "profile": "cpu", "dtype": "float32", "threads": 2,
+               "omp_wait_policy": None, "load": 3.14, "torch": "2.13.0", "transformers": "4.99.0",
+               "commit": "abc1234-dirty"}
+    for job, bench in enumerate(["gsm8k", "math500"]):  # a multirun, one bench per job
+        write_run(tmp_path / str(job), {method: {bench: plan[bench]} for method, plan in PLAN.items()})
+    (tmp_path / "0" / MACHINE_FILE).write_text(json.dumps(machine))
+    write_report([tmp_path])
+    md = (tmp_path / "report.md").read_text()
+    runs, tables = md.split("### ")[0], md.split("### ")[1]
+    assert (f"- `{(tmp_path / '0').resolve()}`: AMD EPYC, no AMX, torch threads 2, load 3.1 at start, profile cpu, "
+            "float32, torch 2.13.0, transformers 4.99.0, commit abc1234-dirty") in runs
+    assert f"- `{(tmp_path / '1').resolve()}`: machine not recorded" in runs
+    assert ROW in tables and f"| {METHOD} | [2.00, 2.00], n=2 (too few) | [4.00, 4.00], n=2 (too few) |" in tables
+    assert r"ngram+best\_first+bastion & [2.00, 2.00], n=2 (too few)" in (tmp_path / "report.tex").read_text()
+    csv = pd.read_csv(tmp_path / "report.csv").set_index("method")
+    assert csv.loc[METHOD, ["speedup_lo", "speedup_hi"]].values.tolist() == [[2.0, 2.0], [4.0, 4.0]]

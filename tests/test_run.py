@@ -22,6 +22,9 @@ def test_run_writes_records_and_summary_then_resumes(tmp_path):
     assert ar.aal == 1.0 and ar.speedup == 1.0 and ar.n_prompts == 3
     assert summary.lossless.all()
     assert "ngram+best_first+fixed4" in result.stdout  # the table is printed
+    assert "[INFO]" not in result.stdout  # plain messages on the console, no timestamps
+    log = (tmp_path / "run.log").read_text()  # Hydra's job log holds what the console showed
+    assert "ngram+best_first+fixed4" in log and f"records: {tmp_path / 'results.jsonl'}\n" in log
 
     # a rerun in the same directory decodes nothing again and duplicates nothing
     again = run_py(*ARGS, "bench.limit=4", f"hydra.run.dir={tmp_path}")
@@ -53,3 +56,4 @@ def test_torchrun_shards_prompts_and_merges_records(tmp_path):
     assert not {r["prompt_id"] for r in shards[0]} & {r["prompt_id"] for r in shards[1]}
     summary = pd.read_csv(tmp_path / "summary.csv")
     assert (summary.n_prompts == 5).all() and summary.lossless.all()
+    assert f"records: {tmp_path / 'results.rank0.jsonl'}, {tmp_path / 'results.rank1.jsonl'}\n" in result.stdout  # the files written

@@ -20,17 +20,17 @@ import torch
 import bastion.engine
 import bastion.sampling
 from bastion.budget.fixed import FixedBudget
-from bastion.drafters.base import BlockProposal, DraftContext
+from bastion.drafters.base import DraftContext, Drafter
 from bastion.drafters.flexdraft import FlexDraftDrafter
 from bastion.engine import generate
 from bastion.models.target import load_target
 from bastion.sampling import Sampling
 from bastion.tree.best_first import best_first
 from bastion.tree.chain import chain
+from bastion.tree.proposal import BlockProposal
 from bastion.tree.static import static
 from bastion.verify import Verdict
 from tests.conftest import target_config
-from tests.helpers import StatelessDrafter
 
 V, PROMPT, N_TOKENS = 16, [3, 5, 7, 9, 11], 3
 ROWS, SEEDS = 8000, 4  # 32,000 samples per method
@@ -64,7 +64,7 @@ def exact_joint(table, sampling: Sampling) -> dict[tuple[int, ...], float]:
             for seq in itertools.product(range(V), repeat=N_TOKENS)}
 
 
-class TableDrafter(StatelessDrafter):
+class TableDrafter(Drafter):
     """Proposes, for each position, the target's own logits along its greedy continuation,
     plus fixed noise: close to the target (deep acceptances), never equal (rejections)."""
 

@@ -15,6 +15,7 @@ import torch
 from bastion.compose import fast_bfloat16
 from bastion.drafters.dflash import DFlashDrafter, new_dflash_config
 from bastion.drafters.flexdraft import FlexDraftDrafter, load_flexdraft
+from bastion.models.loading import packaged_dir
 from bastion.models.target import load_target
 from bastion.train.data import build_selfdistill, chat_prompts, file_prompts, source_counts, user_turn_prefix
 from bastion.train.dflash import feature_std, soft_cross_entropy, train_dflash, with_feature_noise
@@ -174,6 +175,8 @@ def test_feature_noise_is_scaled_per_feature_by_its_std(tiny, data):
 
 
 def test_train_py_end_to_end(tmp_path):
+    (tmp_path / "models").mkdir()  # cache_dir moves model conversions too: reuse the one the other tests share
+    (tmp_path / "models" / "smollm2_135m").symlink_to(packaged_dir("smollm2_135m"))
     args = ["target=tiny_qwen3", "drafter=flexdraft", f"cache_dir={tmp_path}", "data.n_prompts=4", "data.batch_size=2",
             "data.max_new_tokens=8", "~data.mix.chat", "recipe.tuned_layers=1", "recipe.group_size=4", "recipe.calibration_hidden=8",
             "recipe.optim.steps=3", "recipe.optim.anchors=4", f"recipe.output_dir={tmp_path / 'out'}", f"hydra.run.dir={tmp_path / 'run'}",
@@ -191,5 +194,6 @@ def test_train_py_end_to_end(tmp_path):
     tiny = load_target(**target_config("tiny_qwen3"))
     assert load_flexdraft(tiny, str(tmp_path / "out")).group_size == 4
     assert "train.py trains dflash and flexdraft drafters" in subprocess.run(
-        [sys.executable, "train.py", "target=tiny_qwen3", "drafter=ngram", "recipe=dflash", f"cache_dir={tmp_path}"],
+        [sys.executable, "train.py", "target=tiny_qwen3", "drafter=ngram", "recipe=dflash", f"cache_dir={tmp_path}",
+         f"hydra.run.dir={tmp_path / 'run'}"],
         cwd=ROOT, capture_output=True, text=True, timeout=300).stderr

@@ -8,10 +8,10 @@ import math
 import pytest
 import torch
 
-from bastion.drafters.base import BlockProposal
 from bastion.tree.best_first import best_first
 from bastion.tree.chain import chain
 from bastion.tree.draft_tree import DraftTree, pack
+from bastion.tree.proposal import BlockProposal
 
 #        0(root)
 #       /      \

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import math
 import os
 from datetime import timedelta
 from pathlib import Path
@@ -11,16 +13,71 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from bastion.bench import wandb_logger
-from bastion.bench.datasets import load_prompts
+from bastion.bench.datasets import check_prompt_lengths, load_prompts
 from bastion.bench.metrics import with_oracle
+from bastion.bench.provenance import SUMMARY_FIELDS, write_machine
+from bastion.bench.rundir import check_run_dir
 from bastion.bench.runner import run_methods, summarize_run
-from bastion.compose import build, build_methods, build_target, method_config, resolve_device
-from bastion.report import load, write_report
+from bastion.compose import (
+    build,
+    build_methods,
+    build_target,
+    command_line_overrides,
+    method_settings,
+    plan_methods,
+    replace_dict_overrides,
+    resolve_device,
+)
+from bastion.drafters.checkpoint import resolve_checkpoint
+from bastion.files import atomic_write_text
+from bastion.bench.report import load, write_report
 from bastion.sampling import Sampling
+
+logger = logging.getLogger(__name__)  # Hydra's job logging: the console and the run dir's run.log
+
+
+def _whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+# What each run setting must hold. Hydra passes a mistyped value through as it is
+# (`decode.max_new_tokens=abc` is the string 'abc'), which would fail only deep inside decoding.
+# The ranges of temperature, top_k and top_p are Sampling's to check.
+SETTINGS = {
+    "seed": ("a whole number", _whole),
+    "threads": ("null or a whole number >= 1", lambda v: v is None or _whole(v) and v >= 1),
+    "warmup": ("true or false", lambda v: isinstance(v, bool)),
+    "fresh": ("true or false", lambda v: isinstance(v, bool)),
+    "decode.max_new_tokens": ("a whole number >= 1", lambda v: _whole(v) and v >= 1),
+    "decode.batch_size": ("a whole number from 1 to 16 (the engine's ragged rows are tested up to 16)",
+                          lambda v: _whole(v) and 1 <= v <= 16),
+    "decode.temperature": ("a number", _number),
+    "decode.top_k": ("a whole number", _whole),
+    "decode.top_p": ("a number", _number),
+    "decode.stop": ("a list of strings (decode.stop=[A,B])",
+                    lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v)),
+    "bench.limit": ("null or a whole number >= 1", lambda v: v is None or _whole(v) and v >= 1),
+    "bench.shuffle": ("true or false", lambda v: isinstance(v, bool)),
+}
+
+
+def check_settings(cfg: DictConfig) -> None:
+    """Refuse a mistyped or out-of-range run setting in one sentence, before any model loads."""
+    for key, (expected, valid) in SETTINGS.items():
+        value = OmegaConf.select(cfg, key)
+        value = OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
+        if not valid(value):
+            raise ValueError(f"{key} must be {expected} (got {value!r}).")
 
 
 def run(cfg: DictConfig) -> None:
     OmegaConf.set_struct(cfg, False)
+    replace_dict_overrides(cfg, command_line_overrides())
+    check_settings(cfg)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if world > 1 and cfg.device in ("auto", "cuda") and torch.cuda.is_available():
         cfg.device = f"cuda:{os.environ.get('LOCAL_RANK', 0)}"  # torchrun: one GPU per process
@@ -30,23 +87,25 @@ def run(cfg: DictConfig) -> None:
     torch.manual_seed(cfg.seed)
     d = cfg.decode
     sampling = Sampling(d.temperature, d.top_k, d.top_p, d.tree_mode)
-    if cfg.decode.max_new_tokens < 1:
-        raise ValueError(f"decode.max_new_tokens must be at least 1 (got {cfg.decode.max_new_tokens}).")
-    if cfg.decode.batch_size < 1:
-        raise ValueError(f"decode.batch_size must be at least 1 (got {cfg.decode.batch_size}).")
-    for spec in OmegaConf.to_container(cfg.methods) if cfg.get("methods") else [{}]:
-        node = method_config(cfg, spec)  # an unknown choice or impossible budget fails here, before any model loads
-        if node.budget.name != "oracle":
-            build(node.budget)
-    out_dir = Path(HydraConfig.get().runtime.output_dir)
-    logger = wandb_logger.start(OmegaConf.to_container(cfg, resolve=True), out_dir) if rank == 0 else None  # logger=wandb only
+    plans = plan_methods(cfg)  # an unknown choice, impossible budget or missing drafter checkpoint fails here, before any model loads
+    for plan in [p for p in plans if p.node is not None]:  # the drafting methods
+        build(plan.budget)
+        if plan.node.drafter.get("checkpoint"):
+            resolve_checkpoint(plan.node.drafter.checkpoint)
     b = cfg.bench
     names = list(b.names) if b.name == "all" else [b.name]
     prompts = {n: load_prompts(n, b.get("limit"), b.get("data_dir"), b.get("shuffle", False), b.get("seed", 0), b.get("path"), b.get("field")) for n in names}
     if world > 1 and "hydra.run.dir" not in " ".join(HydraConfig.get().overrides.hydra):
         raise ValueError("Under torchrun every process must write to the same run dir: add hydra.run.dir=outputs/NAME.")
+    out_dir = Path(HydraConfig.get().runtime.output_dir)
+    check_run_dir(out_dir, {plan.name: method_settings(cfg, plan) for plan in plans}, cfg.fresh)
+    if rank == 0:
+        write_config(cfg, out_dir)
+        write_machine(cfg, out_dir)
+    wandb_run = wandb_logger.start(OmegaConf.to_container(cfg, resolve=True), out_dir) if rank == 0 else None  # logger=wandb only
     target = build_target(cfg)
-    methods = build_methods(cfg, target)
+    check_prompt_lengths(target, prompts, d.max_new_tokens)
+    methods = build_methods(cfg, target, plans)
     shard = f".rank{rank}" if world > 1 else ""
     for name in names:  # under torchrun each process decodes every world-th prompt
         run_methods(target, methods, prompts[name][rank::world], name, out_dir, d.max_new_tokens, d.batch_size, cfg.warmup,
@@ -59,12 +118,24 @@ def run(cfg: DictConfig) -> None:
     for oracle in dict.fromkeys(m.oracle for m in methods if m.oracle):
         summary = with_oracle(summary, [m.name for m in methods if m.oracle == oracle], oracle)
     summary.to_csv(out_dir / "summary.csv", index=False)
-    if logger is not None:
-        wandb_logger.log_steps(logger, load([out_dir])[1])
-        wandb_logger.log_summary(logger, summary, write_report([out_dir]))
-        wandb_logger.finish(logger)
-    print(summary.to_string(index=False, float_format=lambda x: f"{x:.3f}"))
-    print(f"records: {out_dir / 'results.jsonl'}\nsummary: {out_dir / 'summary.csv'}")
+    if wandb_run is not None:
+        wandb_logger.log_steps(wandb_run, load([out_dir])[1])
+        wandb_logger.log_summary(wandb_run, summary, write_report([out_dir]))
+        wandb_logger.finish(wandb_run)
+    machine = summary[list(SUMMARY_FIELDS)].iloc[0]
+    logger.info("%s", summary.drop(columns=["note", *SUMMARY_FIELDS]).to_string(index=False, float_format=lambda x: f"{x:.3f}"))
+    logger.info("measured on %s", ", ".join(f"{key} {machine[key]}" for key in SUMMARY_FIELDS))
+    for row in summary[summary.note.fillna("") != ""].itertuples():
+        logger.info("note: %s on %s: %s", row.method, row.bench, row.note)
+    records = sorted(out_dir.glob("results*.jsonl"))  # what the summary read: torchrun's ranks write results.rankN.jsonl
+    logger.info("records: %s\nsummary: %s", ", ".join(map(str, records)), out_dir / "summary.csv")
+
+
+def write_config(cfg: DictConfig, out_dir: Path) -> None:
+    """The run's config and command-line overrides, written (in place of Hydra's .hydra/) only
+    once the run dir accepted these settings, so they always describe its records."""
+    atomic_write_text(out_dir / "config.yaml", OmegaConf.to_yaml(cfg))
+    atomic_write_text(out_dir / "overrides.yaml", OmegaConf.to_yaml(list(HydraConfig.get().overrides.task)))
 
 
 def wait_for_all_ranks() -> None:

@@ -56,8 +56,29 @@ def default_data_dir() -> Path:
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    return [record for _, record in numbered_jsonl(path)]
+
+
+def numbered_jsonl(path: Path) -> list[tuple[int, dict]]:
+    """(line number, record) for each non-blank line of a JSON Lines file. Lines are numbered
+    as an editor numbers them, blank ones included, so an error's line is the one to open; a
+    line that is not UTF-8 or not a JSON object is refused naming the file and that line."""
+    rows = []
+    for n, raw in enumerate(Path(path).read_bytes().split(b"\n"), 1):
+        if not raw.strip():
+            continue
+        try:
+            record = json.loads(raw.decode("utf-8-sig"))
+        except UnicodeDecodeError:
+            raise ValueError(f"{path} line {n} is not UTF-8 text; save the file as UTF-8.") from None
+        except json.JSONDecodeError as error:
+            raise ValueError(
+                f"{path} line {n} is not valid JSON ({error.msg} at column {error.colno}); fix or remove that line."
+            ) from None
+        if not isinstance(record, dict):
+            raise ValueError(f"{path} line {n} is not a JSON object; each line must be one {{...}} record.")
+        rows.append((n, record))
+    return rows
 
 
 def load_records(name: str, data_dir: str | Path | None = None) -> list[dict]:
@@ -65,7 +86,9 @@ def load_records(name: str, data_dir: str | Path | None = None) -> list[dict]:
     bench = BENCHES[name]
     path = Path(data_dir or default_data_dir()) / bench.local
     if path.exists():
-        return read_jsonl(path)
+        if records := read_jsonl(path):
+            return records
+        raise ValueError(f"{path} holds no records; restore it, or delete it to read benchmark '{name}' from the Hub.")
     try:
         from datasets import load_dataset
 
@@ -95,6 +118,11 @@ def load_prompts(
         prompts = [Prompt(bench.id_of(r, i), tuple(bench.turns(r))) for i, r in enumerate(load_records(name, data_dir))]
     else:
         raise ValueError(f"Unknown benchmark '{name}'; choose one of {', '.join([*BENCHES, 'custom'])}.")
+    seen = set()
+    for prompt in prompts:  # results are kept and resumed by prompt id
+        if prompt.id in seen:
+            raise ValueError(f"{path if name == 'custom' else name} has prompt id '{prompt.id}' twice; give every prompt an id of its own.")
+        seen.add(prompt.id)
     if shuffle:
         random.Random(seed).shuffle(prompts)
     if limit is not None:
@@ -109,16 +137,44 @@ def _custom(path: str | None, field: str | None) -> list[Prompt]:
         raise ValueError("bench=custom needs bench.path=FILE.jsonl and bench.field=NAME.")
     if not Path(path).exists():
         raise FileNotFoundError(f"Custom prompt file {path} does not exist.")
-    prompts = []
-    for i, record in enumerate(read_jsonl(Path(path))):
-        if field not in record:
-            raise ValueError(f"{path} line {i + 1} has no field '{field}' (it has {', '.join(record)}).")
-        value = record[field]
-        turns = [value] if isinstance(value, str) else list(value)
-        if not turns or not all(isinstance(t, str) for t in turns):
-            raise ValueError(f"{path} line {i + 1}: field '{field}' must be a string or a list of strings.")
-        prompts.append(Prompt(str(record.get("id", f"custom/{i}")), tuple(turns)))
-    return prompts
+    rows = numbered_jsonl(Path(path))
+    if not rows:
+        raise ValueError(f"Custom prompt file {path} is empty; write one JSON object per line, the prompt in '{field}'.")
+    return [Prompt(str(record.get("id", f"custom/{i}")), _turns(record, field, f"{path} line {n}"))
+            for i, (n, record) in enumerate(rows)]
+
+
+def _turns(record: dict, field: str, where: str) -> tuple[str, ...]:
+    """A prompt field holds one message or a list of turns. Anything else is refused: a number
+    or null has no text to send, and a dict would become the list of its keys."""
+    if field not in record:
+        raise ValueError(f"{where} has no field '{field}' (it has {', '.join(record) or 'no fields'}).")
+    value = record[field]
+    turns = [value] if isinstance(value, str) else value
+    if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t for t in turns):
+        raise ValueError(
+            f"{where}: field '{field}' must be a non-empty string or a list of them (it is {json.dumps(value)[:80]})."
+        )
+    return tuple(turns)
+
+
+def check_prompt_lengths(target, prompts: dict[str, list[Prompt]], max_new_tokens: int) -> None:
+    """Refuse, before the first decode, a prompt that cannot fit the target's context: the
+    engine finds it only when its turn comes, after the prompts before it were decoded. A
+    multi-turn prompt is measured with all its user turns and empty answers, the least its last
+    turn can take (the answers are not known yet)."""
+    context = target.args.max_position
+    for bench, listed in prompts.items():
+        for prompt in listed:
+            messages = [m for turn in prompt.turns
+                        for m in ({"role": "user", "content": turn}, {"role": "assistant", "content": ""})]
+            n = len(chat_tokens(target.tokenizer, messages[:-1]))
+            if n + max_new_tokens > context:
+                raise ValueError(
+                    f"Prompt {prompt.id} ({bench}) takes {n} tokens, which with decode.max_new_tokens={max_new_tokens} "
+                    f"exceeds the context of {target.name} ({context} tokens); leave that prompt out or lower "
+                    f"decode.max_new_tokens."
+                )
 
 
 def chat_tokens(tokenizer, messages: list[dict]) -> list[int]:

@@ -3,7 +3,11 @@
 AAL (average acceptance length) = tokens produced by decode steps / decode steps, the bonus
 token included, as in DFlash and EAGLE; the first token, which prefill produces, is left out
 of both, so AR decoding has AAL exactly 1. Speedup = AR wall time / method wall time over the
-same prompts of the same run.
+same prompts of the same run. Lossless = every output equals AR's, token for token: at
+temperature 0, and at temperature > 0 with ranked children (keyed sampling draws AR's sample);
+sampled children are lossless in distribution only, which tests prove, so it stays blank.
+speedup_lo / speedup_hi = a 95% bootstrap interval of the speedup over batches
+(speedup_interval); `note` says when a speedup rests on too few prompts or batches to trust.
 """
 
 from __future__ import annotations
@@ -14,18 +18,41 @@ import pandas as pd
 BASELINE = "ar"
 
 
-def batch_wall(records: pd.DataFrame) -> float:
-    """Wall time of a method: each batch counted once (all its rows carry the batch's time)."""
-    return float(records.drop_duplicates(["method", "bench", "batch_id"])["batch_wall_s"].sum())
+MIN_PROMPTS = 5  # below this a speedup is noted as unreliable, however narrow its interval
+RESAMPLES = 2000
+
+
+def batch_walls(records: pd.DataFrame) -> pd.Series:
+    """Wall time of each batch of one method on one benchmark, by batch_id: all its rows carry
+    the batch's time, so each batch counts once."""
+    return records.drop_duplicates("batch_id").set_index("batch_id").batch_wall_s
+
+
+def speedup_interval(ar_walls: pd.Series, walls: pd.Series, seed: int = 0) -> tuple[float, float]:
+    """95% bootstrap interval of the speedup: batches (shared by AR and the method, so each
+    pair saw the same machine state) are resampled with replacement and the speedup recomputed
+    as the headline is, total AR wall / total method wall. Chosen over an interquartile range
+    of per-batch speedups because it bounds the reported number itself (a ratio of sums, which
+    can fall outside the per-batch quartiles) and narrows as batches accumulate, so a run of
+    few batches shows its uncertainty; a percentile bootstrap still undercovers when batches
+    are few, hence the MIN_PROMPTS note. NaNs when fewer than two batches are shared.
+    Deterministic (`seed`), so a summary recomputed by the report matches the run's."""
+    ar_walls, walls = ar_walls.align(walls, join="inner")
+    if len(walls) < 2:
+        return float("nan"), float("nan")
+    picks = np.random.default_rng(seed).integers(0, len(walls), size=(RESAMPLES, len(walls)))  # [R, batches]
+    ratios = ar_walls.to_numpy()[picks].sum(axis=1) / walls.to_numpy()[picks].sum(axis=1)
+    low, high = np.percentile(ratios, [2.5, 97.5])
+    return float(low), float(high)
 
 
 def summarize(records: pd.DataFrame) -> pd.DataFrame:
     rows = []
-    greedy = "temperature" not in records or (records.temperature == 0).all()
     for (bench, method), group in records.groupby(["bench", "method"], sort=False):
         baseline = records[(records.bench == bench) & (records.method == BASELINE)]
         shared = sorted(set(group.prompt_id) & set(baseline.prompt_id))
-        wall = batch_wall(group)
+        walls = batch_walls(group)
+        wall = float(walls.sum())
         new_tokens = int(group.new_tokens.sum())
         steps = int(group.steps.sum())
         row = {
@@ -38,17 +65,44 @@ def summarize(records: pd.DataFrame) -> pd.DataFrame:
             "tpot_ms": 1000 * wall / new_tokens if new_tokens else float("nan"),
             "ttft_ms": 1000 * float(group.prefill_s.mean()),
             "speedup": float("nan"),
+            "speedup_lo": float("nan"),
+            "speedup_hi": float("nan"),
             "lossless": None,
             "temperature": float(group.temperature.iloc[0]) if "temperature" in group else 0.0,
+            "note": "",
         }
+        notes = []
         if shared and len(shared) == len(group) == len(baseline):
-            row["speedup"] = batch_wall(baseline) / wall
-            if greedy:  # at temperature > 0 outputs differ by design; tests check the distribution
+            ar_walls = batch_walls(baseline)
+            row["speedup"] = float(ar_walls.sum()) / wall
+            row["speedup_lo"], row["speedup_hi"] = speedup_interval(ar_walls, walls)
+            if method != BASELINE:  # AR's own speedup is 1 by definition
+                notes += reliability_notes(len(group), row["speedup_lo"])
+            if token_equal(group) and token_equal(baseline):
                 ours = group.set_index("prompt_id").tokens
                 ref = baseline.set_index("prompt_id").tokens
                 row["lossless"] = all(ours[p] == ref[p] for p in shared)
+        else:
+            notes.append(f"speedup blank: {len(group) - len(shared)} of its {len(group)} prompts have no AR record, "
+                         f"{len(baseline) - len(shared)} of AR's {len(baseline)} have none of its")
+        row["note"] = "; ".join(notes)
         rows.append(row)
     return pd.DataFrame(rows)
+
+
+def reliability_notes(n_prompts: int, speedup_lo: float) -> list[str]:
+    """What keeps a measured speedup from being trusted as it stands."""
+    notes = ["spread blank: one batch (the interval resamples batches)"] if np.isnan(speedup_lo) else []
+    if n_prompts < MIN_PROMPTS:
+        notes.append(f"only {n_prompts} prompt(s): too few for a reliable speedup (use {MIN_PROMPTS} or more)")
+    return notes
+
+
+def token_equal(records: pd.DataFrame) -> bool:
+    """Whether these records' outputs are meant to equal AR's token for token (module docstring)."""
+    if "temperature" not in records or (records.temperature == 0).all():
+        return True
+    return "tree_mode" in records and (records.tree_mode == "ranked").all()
 
 
 def with_oracle(summary: pd.DataFrame, swept: list[str], name: str) -> pd.DataFrame:

@@ -1,17 +1,20 @@
 """Run methods on the same prompts in one process and record every prompt as it finishes.
 
 Fairness: every method (AR included) decodes the same prompts with the same target on the
-same machine in the same run, after an untimed warm-up, with the device synchronised before
-each timer read (engine.py). Methods take turns batch by batch, so a machine that speeds up or
-slows down during a run (clocks, other tenants) shifts every method alike. Nothing is lost: a
+same machine in the same run, after an untimed warm-up (a short decode of the first batch, at
+the run's batch size, by every method), with the device synchronised before each timer read
+(engine.py). Methods take turns batch by batch, so a machine that speeds up or slows down
+during a run (clocks, other tenants) shifts every method alike. Nothing is lost: a
 record is appended and flushed per prompt, and a rerun in the same directory skips what is
-already recorded.
+already recorded with the same settings (rundir.py). At temperature > 0 each prompt's turn
+is sampled under a key of its own (its id and turn), so every method, batch size and rerun
+draws the same sample for it.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import zlib
 from pathlib import Path
 
 import pandas as pd
@@ -19,26 +22,12 @@ from tqdm import tqdm
 
 from bastion.bench.datasets import Prompt, chat_tokens
 from bastion.bench.metrics import summarize
+from bastion.bench.provenance import summary_fields
 from bastion.bench.records import drop_cut_line, read_records, run_records
-from bastion.engine import generate
+from bastion.bench.rundir import fingerprint, locked
+from bastion.compose import Method
 from bastion.models.target import Target
 from bastion.sampling import GREEDY, Sampling
-
-
-@dataclass
-class Method:
-    """One decoding method: AR is the one without a drafter."""
-
-    name: str
-    drafter: object | None = None
-    policy: object | None = None
-    budget: object | None = None
-    oracle: str | None = None  # an oracle sweep's fixed budgets share the name their best is reported under
-
-    def generate(self, target: Target, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling = GREEDY,
-                 seed: int = 0, stop: tuple[str, ...] = ()):
-        return generate(target, prompts, drafter=self.drafter, policy=self.policy, budget=self.budget,
-                        max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, stop_strings=stop)
 
 
 def run_methods(
@@ -56,35 +45,56 @@ def run_methods(
     stop: tuple[str, ...] = (),
 ) -> None:
     """Decode `prompts` with every method; append a record per prompt to
-    out_dir/results{shard}.jsonl, skipping those already there."""
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir/results{shard}.jsonl, skipping those already there with the method's settings and
+    the prompt's text (rundir.check_run_dir has refused other settings before)."""
     results = out_dir / f"results{shard}.jsonl"
-    done = {(r["method"], r["bench"], r["prompt_id"]) for r in read_records(results)}
-    if warmup:
-        first = chat_tokens(target.tokenizer, [{"role": "user", "content": prompts[0].turns[0]}])
-        for method in methods:
-            method.generate(target, [first], min(8, max_new_tokens), sampling, seed, stop)
-    drop_cut_line(results)
-    batches = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
-    with open(results, "a") as sink, tqdm(total=len(batches) * len(methods), desc=bench, unit="batch", leave=False) as bar:
-        for batch in batches:  # every method on one batch, then the next: slow drift of the machine hits all alike
+    with locked(out_dir, shard):
+        current = {(m.name, fingerprint(m.settings)) for m in methods}
+        done = {(r["method"], r["bench"], r["prompt_id"], r["prompt_hash"]) for r in read_records(results)
+                if (r["method"], r.get("fingerprint")) in current}
+        if warmup:  # the first batch at the run's batch size: a batch-1 warm-up leaves larger batches' shapes cold
+            first = [chat_tokens(target.tokenizer, [{"role": "user", "content": p.turns[0]}])
+                     for p in prompts[:batch_size]]
             for method in methods:
-                bar.set_postfix_str(method.name)
-                todo = [p for p in batch if (method.name, bench, p.id) not in done]
-                if todo:
-                    for record in decode_batch(target, method, todo, bench, max_new_tokens, sampling, seed, stop):
-                        sink.write(json.dumps(record) + "\n")
-                    sink.flush()
-                bar.update()
+                method.generate(target, first, min(8, max_new_tokens), sampling, seed, stop)
+        drop_cut_line(results)
+        batches = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
+        with open(results, "a") as sink, tqdm(total=len(batches) * len(methods), desc=bench, unit="batch", leave=False) as bar:
+            for batch in batches:  # every method on one batch, then the next: slow drift of the machine hits all alike
+                for method in methods:
+                    bar.set_postfix_str(method.name)
+                    todo = [p for p in batch if (method.name, bench, p.id, prompt_hash(p)) not in done]
+                    if todo:
+                        for record in decode_batch(target, method, todo, bench, max_new_tokens, sampling, seed, stop):
+                            sink.write(json.dumps(record) + "\n")
+                        sink.flush()
+                    bar.update()
+
+
+def prompt_hash(prompt: Prompt) -> str:
+    """A prompt's text, fingerprinted: an edited prompt file does not resume old answers."""
+    return f"{zlib.crc32(json.dumps(prompt.turns).encode()):08x}"
+
+
+def sample_key(prompt: Prompt, turn: int) -> int:
+    """The key a prompt's turn is sampled under (engine.generate's `keys`)."""
+    return zlib.crc32(f"{prompt.id}\0{turn}".encode())
 
 
 def summarize_run(out_dir: Path, prompts: dict[str, list[Prompt]]) -> pd.DataFrame:
-    """Summary over this run's prompts (per benchmark, every shard's records), written to
-    out_dir/summary.csv."""
+    """Summary over this run's prompts (per benchmark, every shard's records) with the run's
+    machine, profile, dtype and commit (provenance.py), written to out_dir/summary.csv. Records
+    kept twice (two writers, or a hand-merged file) are refused, naming one, rather than
+    summarised into a blank speedup."""
     records = pd.DataFrame(run_records(out_dir))
-    wanted = {(bench, p.id) for bench, ps in prompts.items() for p in ps}
-    keep = [(b, p) in wanted for b, p in zip(records.bench, records.prompt_id)]
-    summary = summarize(records[keep])
+    wanted = {(bench, p.id, prompt_hash(p)) for bench, ps in prompts.items() for p in ps}
+    records = records[[key in wanted for key in zip(records.bench, records.prompt_id, records.prompt_hash)]]
+    doubled = records[records.duplicated(["method", "bench", "prompt_id"])]
+    if len(doubled):
+        first = doubled.iloc[0]
+        raise ValueError(f"{out_dir} holds {len(doubled)} record(s) twice, e.g. {first.method} on {first.prompt_id}: two runs "
+                         "wrote it at once, or results files were merged; rerun into a new hydra.run.dir.")
+    summary = summarize(records).assign(**summary_fields(out_dir))
     summary.to_csv(out_dir / "summary.csv", index=False)
     return summary
 
@@ -94,8 +104,9 @@ def decode_batch(target: Target, method: Method, batch: list[Prompt], bench: str
     """Decode a batch of prompts turn by turn (a later turn sees the model's own earlier answers)."""
     conversations: list[list[dict]] = [[] for _ in batch]
     records = [
-        {"method": method.name, "bench": bench, "prompt_id": p.id, "batch_size": len(batch), "turns": len(p.turns),
-         "temperature": sampling.temperature,
+        {"method": method.name, "bench": bench, "prompt_id": p.id, "prompt_hash": prompt_hash(p),
+         "fingerprint": fingerprint(method.settings), "batch_size": len(batch), "turns": len(p.turns),
+         "temperature": sampling.temperature, "tree_mode": sampling.tree_mode,
          "new_tokens": 0, "steps": 0, "prefill_s": 0.0, "batch_wall_s": 0.0, "tokens": [], "text": [], "finish": [],
          "produced": [], "tree_sizes": [], "expected": [], "step_s": [], "verify_s": [], "predicted_verify_s": []}
         for p in batch
@@ -104,7 +115,8 @@ def decode_batch(target: Target, method: Method, batch: list[Prompt], bench: str
         rows = [i for i, p in enumerate(batch) if turn < len(p.turns)]
         for i in rows:
             conversations[i].append({"role": "user", "content": batch[i].turns[turn]})
-        decoding = method.generate(target, [chat_tokens(target.tokenizer, conversations[i]) for i in rows], max_new_tokens, sampling, seed, stop)
+        decoding = method.generate(target, [chat_tokens(target.tokenizer, conversations[i]) for i in rows], max_new_tokens,
+                                   sampling, seed, stop, [sample_key(batch[i], turn) for i in rows])
         for row, (i, gen) in enumerate(zip(rows, decoding.generations)):
             text = target.tokenizer.decode(gen.tokens, skip_special_tokens=True)
             conversations[i].append({"role": "assistant", "content": text})

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,7 +25,9 @@ import torch
 from scipy.optimize import least_squares
 
 from bastion.budget.hardware import HardwareProfile
+from bastion.files import atomic_write_text
 from bastion.models.packed_linear import linear_kernels
+from bastion.models.timer import now
 from bastion.models.transformer import ModelArgs
 
 PROBE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -121,8 +124,6 @@ class LatencyModel:
 
 def probe(target, model: LatencyModel, sizes=PROBE_SIZES, context: int = 256, repeats: int = 3) -> None:
     """Time target forwards of `sizes` chain tokens after `context` cached tokens, and fit."""
-    from bastion.engine import _now
-
     device = target.device
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, target.args.vocab_size, (1, context + max(sizes)), generator=gen).to(device)
@@ -132,10 +133,10 @@ def probe(target, model: LatencyModel, sizes=PROBE_SIZES, context: int = 256, re
             cache = target.new_cache(1, context + n)
             cache.lengths = [context]
             mask = torch.ones(1, n, n, dtype=torch.bool, device=device).tril()
-            t0 = _now(device)
+            t0 = now(device)
             hidden, _ = target.forward(tokens[:, context : context + n], torch.arange(n, device=device)[None], mask, cache)
             target.logits(hidden)
-            times.append(_now(device) - t0)
+            times.append(now(device) - t0)
         model.observe_forward([n], [context], float(np.median(times[1:])))  # the first run warms up
     model.fit(fit_shape=True, prior_weight=1e-3)
 
@@ -147,13 +148,28 @@ def calibrated(target, hw: HardwareProfile, cache_dir: Path, use_cache: bool = T
     device = torch.cuda.get_device_name(target.device) if target.device.type == "cuda" else "cpu"
     key = f"{device}__{target.name}__{str(target.dtype).removeprefix('torch.')}__{linear_kernels(target.model)}__sdpa".replace(" ", "_").replace("/", "_")
     path = Path(cache_dir) / "latency" / f"{key}.json"
-    if use_cache and path.exists():
-        saved = json.loads(path.read_text())
-        model.theta, model.points = np.asarray(saved["theta"]), [tuple(p) for p in saved["points"]]
-    else:
+    if not (use_cache and read_calibration(path, model)):
         started = time.perf_counter()
         probe(target, model)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"theta": model.theta.tolist(), "points": model.points, "probe_s": time.perf_counter() - started}))
+        atomic_write_text(path, json.dumps({"theta": model.theta.tolist(), "points": model.points, "probe_s": time.perf_counter() - started}))
     model.prior = model.theta.copy()  # online refits stay near the probe's fit unless measurements say otherwise
     return model
+
+
+def read_calibration(path: Path, model: LatencyModel) -> bool:
+    """Set `model`'s fit from the cache file at `path`; False when there is none to use. The
+    file only ever holds a measurement this machine redoes in seconds, so one that does not
+    parse is re-measured and overwritten, with a warning naming it, rather than stopping the run."""
+    if not path.exists():
+        return False
+    try:
+        saved = json.loads(path.read_text())
+        theta = np.asarray(saved["theta"], dtype=float)  # [4]
+        points = [tuple(map(float, p)) for p in saved["points"]]  # (flops, bytes, seconds) each
+        if theta.shape != (4,) or any(len(p) != 3 for p in points):
+            raise ValueError("theta or points of the wrong size")
+    except (ValueError, KeyError, TypeError) as error:
+        warnings.warn(f"{path} is not a latency calibration ({error!r}); re-measuring and overwriting it.", stacklevel=3)
+        return False
+    model.theta, model.points = theta, points
+    return True

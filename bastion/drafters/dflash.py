@@ -22,15 +22,16 @@ import torch
 from torch import nn
 from transformers import AutoConfig
 
-from bastion.drafters.base import BlockProposal, DraftContext, top_candidates
+from bastion.drafters.base import DraftContext, Drafter
 from bastion.drafters.checkpoint import read_checkpoint, save_checkpoint
 from bastion.models.kv_cache import KVCache
 from bastion.models.packed_linear import PackedLinear, linear, pack_weight
 from bastion.models.target import Target
 from bastion.models.transformer import Block, ModelArgs, RMSNorm, Rotary
+from bastion.tree.proposal import BlockProposal, top_candidates
 
 
-class DFlashDrafter(nn.Module):
+class DFlashDrafter(nn.Module, Drafter):
     def __init__(self, config: dict, target: Target, top_k: int = 8, block_size: int | None = None):
         super().__init__()
         dflash = config.get("dflash_config", {})
@@ -66,9 +67,6 @@ class DFlashDrafter(nn.Module):
 
     def keep_rows(self, rows: list[int]) -> None:
         self.cache.keep_rows(rows)
-
-    def drafts(self, ctx: DraftContext) -> bool:
-        return True
 
     @torch.inference_mode()
     def absorb(self, ctx: DraftContext) -> None:

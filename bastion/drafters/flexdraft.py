@@ -36,22 +36,20 @@ from torch import nn
 from bastion.budget.hardware import measure
 from bastion.budget.latency import calibrated
 from bastion.budget.stretch import ARStretch
-from bastion.drafters.base import BlockProposal, DraftContext
+from bastion.drafters.base import DraftContext, Drafter
 from bastion.drafters.checkpoint import read_checkpoint, save_checkpoint
 from bastion.models.kv_cache import KVCache
 from bastion.models.loading import CACHE_DIR
 from bastion.models.target import Target
 from bastion.tree.draft_tree import DraftTree
-from bastion.verify import matched_prefix
+from bastion.tree.proposal import BlockProposal, matched_prefix
 
 MODES = ("sequential", "parallel", "flex")
 CALIBRATION = ("on", "off", "auto")
 SELECTIONS = ("min_confidence", "cumulative_product")
 
 
-class FlexDraftDrafter(nn.Module):
-    feature_layers: tuple[int, ...] = ()
-
+class FlexDraftDrafter(nn.Module, Drafter):
     def __init__(self, target: Target, tuned_layers: int = 4, group_size: int = 8, calibration_hidden: int = 256,
                  mode: str = "sequential", selection: str = "min_confidence", threshold: float = 0.1, top_k: int = 8,
                  mask_token_id: int | None = None):
@@ -83,6 +81,7 @@ class FlexDraftDrafter(nn.Module):
                        "group_size": group_size, "calibration_hidden": calibration_hidden}
         self.latency = None  # flex mode's latency model (load_flexdraft calibrates it on this machine)
         self._pending: dict[int, torch.Tensor] = {}  # row -> hidden of the group drafted for its accepted node
+        self._groups = None  # (kept nodes, their groups' hidden states) of a parallel verification
         self.tokens_per_step = 2.0  # flex mode: running mean of tokens a drafted step produced per row
         self._measured = False  # flex mode: tokens_per_step is still the prior (the first measurement replaces it)
         self._lengths: list[int] | None = None  # rows' sequence lengths when the last draft was made (until _learn reads it)
@@ -239,11 +238,20 @@ class FlexDraftDrafter(nn.Module):
         hidden = self.run_layers(x, write_pos, mask, is_mask, lambda i: _writer(cache, i, write_pos, mask))
         return [hidden[b] for b in rows]
 
+    def verify_forward(self, target, cache: KVCache, trees: list[DraftTree], tokens, depths, tree_mask, capture, contexts):
+        """Draft inside the verification forward when `parallel` says it pays this step, else
+        verify with the target's own forward (and draft after it, in propose)."""
+        self._groups = None
+        if not self.parallel(trees, contexts):
+            return super().verify_forward(target, cache, trees, tokens, depths, tree_mask, capture, contexts)
+        hidden, width = self.verify_and_draft(cache, trees, tokens, depths, tree_mask)
+        return hidden, None, width
+
     @torch.inference_mode()
-    def verify_forward(self, cache: KVCache, trees: list[DraftTree], tokens, depths, tree_mask):
+    def verify_and_draft(self, cache: KVCache, trees: list[DraftTree], tokens, depths, tree_mask):
         """Parallel mode: verify `trees` and, in the same forward, draft one group after every
         node that selective verification keeps. Returns the clean tokens' final hidden states
-        [B, M, h]; the groups wait for propose()."""
+        [B, M, h] and the tokens per row the forward ran; the groups wait for propose()."""
         B, M = tokens.shape
         G = self.group_size
         device = tokens.device
@@ -268,11 +276,12 @@ class FlexDraftDrafter(nn.Module):
         is_mask = (torch.arange(N, device=device) >= M)[None, :, None].expand(B, N, 1)
         hidden = self.run_layers(x, positions, mask, is_mask, lambda i: _writer(cache, i, write_pos, mask))
         self._groups = (keep, hidden[:, M:].view(B, n_groups, G, -1))
-        self.forward_width = N  # tokens per row this forward ran (the latency model is told)
-        return hidden[:, :M]
+        return hidden[:, :M], N
 
     def accept(self, paths: list[list[int]]) -> None:
         """After parallel verification: keep the group drafted after each row's last accepted node."""
+        if self._groups is None:
+            return
         keep, groups = self._groups
         self._pending = {b: groups[b, keep[b].index(path[-1])] for b, path in enumerate(paths) if path[-1] in keep[b]}
 

@@ -14,29 +14,18 @@ from collections import Counter
 import numpy as np
 import torch
 
-from bastion.drafters.base import BlockProposal, DraftContext
+from bastion.drafters.base import DraftContext, Drafter
+from bastion.tree.proposal import BlockProposal
 
 
-class NgramDrafter:
-    feature_layers: tuple[int, ...] = ()
+class NgramDrafter(Drafter):
+    """Stateless: everything it needs is in the context, so the base class's bookkeeping suits it."""
 
     def __init__(self, target=None, block_size: int = 8, max_ngram: int = 3, min_ngram: int = 1, top_k: int = 4, max_matches: int = 16):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"ngram sizes need 1 <= min_ngram <= max_ngram (got {min_ngram}, {max_ngram}).")
         self.block_size, self.max_ngram, self.min_ngram = block_size, max_ngram, min_ngram
         self.top_k, self.max_matches = top_k, max_matches
-
-    def reset(self, batch_size: int, capacity: int) -> None:
-        pass  # stateless: everything it needs is in the context
-
-    def keep_rows(self, rows: list[int]) -> None:
-        pass
-
-    def drafts(self, ctx: DraftContext) -> bool:
-        return True
-
-    def absorb(self, ctx: DraftContext) -> None:
-        pass
 
     def propose(self, ctx: DraftContext) -> BlockProposal:
         B, K, k = len(ctx.sequences), self.block_size, self.top_k

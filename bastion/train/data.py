@@ -16,15 +16,17 @@ from __future__ import annotations
 import json
 import random
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 
-import numpy as np
 from datasets import Array2D, Dataset, Features, Sequence, Value, concatenate_datasets, load_from_disk
 from tqdm import tqdm
 
 from bastion.bench.datasets import REASON, chat_tokens, default_data_dir, read_jsonl
 from bastion.engine import generate
+from bastion.files import atomic_write_text, read_json
 from bastion.models.target import Target
+from bastion.recorder import FeatureRecorder
 from bastion.sampling import Sampling
 
 # Training splits only: never a test set that the benchmarks report.
@@ -38,12 +40,36 @@ SOURCES = (*FILE_SOURCES, "chat")
 BARREN_ROUNDS = 5
 
 
+def check_mix(mix, n_prompts, untrained_target: bool) -> None:
+    """Refuse, before the target loads, a data mix that would fail minutes into building the
+    data: not a mapping of known sources to weights, no prompt at all, a file source missing or
+    asked for more prompts than it holds, or chat requests asked of a target with random
+    weights (an untrained target writes none that chat_prompts keeps, and chat is built after
+    the file sources)."""
+    if not isinstance(mix, Mapping):
+        raise ValueError(f"data.mix must map training sources to weights, e.g. data.mix={{gsm8k: 0.8, chat: 0.2}} (got {mix}).")
+    if isinstance(n_prompts, bool) or not isinstance(n_prompts, int) or n_prompts < 1:
+        raise ValueError(f"data.n_prompts must be a whole number of at least 1 (got {n_prompts}).")
+    counts = source_counts(dict(mix), n_prompts)
+    if not counts:
+        raise ValueError(f"data.n_prompts={n_prompts} rounds to no prompt for any source of data.mix; ask for more prompts.")
+    if "chat" in counts and untrained_target:
+        raise ValueError("The chat source has the target write its own requests and a target with random weights writes none; "
+                         "drop it with ~data.mix.chat or give a mix without chat, e.g. data.mix={gsm8k: 1.0}.")
+    for name, count in counts.items():
+        if name in FILE_SOURCES:
+            file_prompts(name, count)
+
+
 def source_counts(mix: dict[str, float], n: int) -> dict[str, int]:
-    """How many of the n prompts each source gives, in proportion to `mix`."""
+    """How many of the n prompts each source gives, in proportion to `mix` (weights >= 0, not all 0)."""
     unknown = set(mix) - set(SOURCES)
     if unknown:
         raise ValueError(f"Unknown training sources {sorted(unknown)}; known: {', '.join(SOURCES)}.")
-    total = sum(mix.values())
+    weights = list(mix.values())
+    if not all(isinstance(w, (int, float)) and not isinstance(w, bool) and w >= 0 for w in weights) or sum(weights) <= 0:
+        raise ValueError(f"data.mix weights must be numbers of at least 0, not all 0 (got {dict(mix)}).")
+    total = sum(weights)
     return {name: round(n * weight / total) for name, weight in mix.items() if round(n * weight / total)}
 
 
@@ -75,7 +101,7 @@ def chat_prompts(target: Target, count: int, cache: Path, seed: int = 0, *, batc
     so asking for more continues it. A target that writes no usable request in `BARREN_ROUNDS`
     rounds in a row (an untrained one) is refused."""
     path = cache / "prompts.json"
-    state = json.loads(path.read_text()) if path.exists() else {"rounds": 0, "prompts": []}
+    state = read_json(path, "delete it to write the requests again") if path.exists() else {"rounds": 0, "prompts": []}
     prefix, tok = user_turn_prefix(target.tokenizer), target.tokenizer
     seen, barren = set(state["prompts"]), 0
     with tqdm(total=count, initial=min(len(seen), count), desc="chat prompts", unit="prompt") as bar:
@@ -92,8 +118,7 @@ def chat_prompts(target: Target, count: int, cache: Path, seed: int = 0, *, batc
                     state["prompts"].append(text)
                     bar.update(len(state["prompts"]) <= count)
             barren = 0 if len(state["prompts"]) > before else barren + 1
-            cache.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(state, indent=0))
+            atomic_write_text(path, json.dumps(state, indent=0))
     return [(f"chat/{i}", text) for i, text in enumerate(state["prompts"][:count])]
 
 
@@ -135,16 +160,17 @@ def build_selfdistill(
         if shard_ids(shard) == [pid for pid, _ in batch]:
             continue
         tokens = [t for _, t in batch]
-        decoding = generate(target, tokens, max_new_tokens=max_new_tokens, record=layers, record_top=top_k)
+        recorder = FeatureRecorder(layers, top_k)
+        decoding = generate(target, tokens, max_new_tokens=max_new_tokens, recorder=recorder)
         rows = {name: [] for name in schema}
-        for (pid, prompt), gen in zip(batch, decoding.generations):
+        for i, ((pid, prompt), gen) in enumerate(zip(batch, decoding.generations)):
             rows["id"].append(pid)
             rows["input_ids"].append(prompt + gen.tokens)
             rows["answer_start"].append(len(prompt))
-            rows["features"].append(gen.features.numpy().astype(np.float16))
+            rows["features"].append(recorder.features[i].numpy())
             if top_k:
-                rows["top_ids"].append(gen.top_ids.numpy())
-                rows["top_logprobs"].append(gen.top_logprobs.numpy())
+                rows["top_ids"].append(recorder.top_ids[i].numpy())
+                rows["top_logprobs"].append(recorder.top_logprobs[i].numpy())
         shutil.rmtree(shard, ignore_errors=True)
         Dataset.from_dict(rows, features=schema).save_to_disk(str(shard))
     return concatenate_datasets([load_from_disk(str(s)) for s in shards])

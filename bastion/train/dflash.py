@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from bastion.drafters.dflash import DFlashDrafter
 from bastion.train.examples import Example, fixed_batches, sample_anchors
 from bastion.train.loop import train_loop
-from bastion.verify import matched_prefix
+from bastion.tree.proposal import matched_prefix
 
 CHAIN_EXAMPLES = 24  # held-out answers walked for val_chain_aal at each validation (~2 s on a CPU)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
+import pickle
 import time
 from pathlib import Path
 from typing import Callable
@@ -13,6 +13,8 @@ from typing import Callable
 import torch
 from torch import nn
 from tqdm import tqdm
+
+from bastion.files import atomic_path, atomic_write_text
 
 
 def lr_at(step: int, steps: int, lr: float, warmup: float) -> float:
@@ -43,6 +45,7 @@ def train_loop(
     val_metrics: Callable[[], dict] | None = None,
     run_key: dict | None = None,
     autocast: bool = False,
+    on_log: Callable[[dict], None] | None = None,
 ) -> list[dict]:
     """Optimise `module` in place; resumable from `state_path`. Returns the log records
     (mean loss, accuracy per draft position, seconds per step, every `log_every` steps; and
@@ -51,7 +54,9 @@ def train_loop(
 
     `run_key` names what the run learns from (data and recipe, not its length): a saved state
     with another key is refused rather than resumed, so new data never continues an old run.
-    `autocast`: forwards in bfloat16 mixed precision (weights and optimiser stay float32)."""
+    `autocast`: forwards in bfloat16 mixed precision (weights and optimiser stay float32).
+    `on_log`: called with each new log record once it is complete (train.py's W&B logger), so
+    the loop itself knows no logger."""
     for group in param_groups:
         group["peak"] = group["lr"]
     optimizer = torch.optim.AdamW(param_groups, betas=(0.9, 0.95), weight_decay=weight_decay, fused=True)  # fused: 10% faster steps on CPU
@@ -60,7 +65,7 @@ def train_loop(
     mixed = torch.autocast(params[0].device.type, torch.bfloat16, enabled=autocast)
     start, log = 0, []
     if state_path.exists():
-        state = torch.load(state_path, weights_only=False)
+        state = load_state(state_path)
         if state.get("key") != run_key:
             raise ValueError(f"{state_path} is a training run on other data or settings; delete it to start over, or set recipe.work_dir.")
         module.load_state_dict(state["drafter"])
@@ -92,6 +97,8 @@ def train_loop(
                     log[-1].update(evaluate(loss_fn, val_batches), **(val_metrics() if val_metrics else {}))
                 module.train()
             bar.set_postfix(loss=f"{log[-1]['loss']:.3f}", acc1=f"{acc[0]:.3f}", acc4=f"{acc[min(3, len(acc) - 1)]:.3f}")
+            if on_log:
+                on_log(log[-1])
             hits = counts = 0
             losses, t0 = [], time.time()
         if (step + 1) % save_every == 0 or step + 1 == steps:
@@ -110,12 +117,21 @@ def evaluate(loss_fn, batches: list) -> dict:
 
 
 def save_state(path: Path, state: dict) -> None:
-    """Write atomically: a kill mid-write leaves the previous state intact."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+    """Write atomically: a kill mid-write leaves the previous state intact. `state` holds
+    tensors and plain containers only (state dicts, the generator's byte tensor, the log, the
+    run key), so that load_state can read it without unpickling code."""
+    with atomic_path(path) as tmp:
+        torch.save(state, tmp)
+
+
+def load_state(path: Path) -> dict:
+    """The state save_state wrote. weights_only: a crafted or foreign file in the cache is
+    refused instead of running the code its pickle names (and a damaged one is refused too)."""
+    try:
+        return torch.load(path, weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError):
+        raise ValueError(f"{path} is damaged or holds more than tensors and plain data, so it is not loaded; delete it to start over.") from None
 
 
 def write_log(path: Path, log: list[dict]) -> None:
-    path.write_text("".join(json.dumps(r) + "\n" for r in log))
+    atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in log))

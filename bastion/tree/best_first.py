@@ -13,8 +13,8 @@ import heapq
 import math
 from itertools import count
 
-from bastion.drafters.base import BlockProposal
 from bastion.tree.draft_tree import DraftTree
+from bastion.tree.proposal import BlockProposal
 
 
 def best_first(proposal: BlockProposal, max_nodes: int) -> list[DraftTree]:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import math
 
-from bastion.drafters.base import BlockProposal
 from bastion.tree.draft_tree import DraftTree
+from bastion.tree.proposal import BlockProposal
 
 
 def chain(proposal: BlockProposal, max_nodes: int) -> list[DraftTree]:

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import math
 
-from bastion.drafters.base import BlockProposal
 from bastion.tree.draft_tree import DraftTree
+from bastion.tree.proposal import BlockProposal
 
 # EAGLE-1's default tree (SafeAILab/EAGLE, model/choices.py `mc_sim_7b_63`): 25 nodes, depth 5.
 EAGLE1_25 = [[0], [1], [2], [3], [0, 0], [0, 1], [0, 2], [1, 0], [1, 1], [2, 0], [2, 1], [3, 0],

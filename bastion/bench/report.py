@@ -1,11 +1,12 @@
-"""Paper tables and figures from finished runs: `python -m bastion.report DIR [DIR ...] [--out DIR]`.
+"""Paper tables and figures from finished runs: `python -m bastion.bench.report DIR [DIR ...] [--out DIR]`.
 
 A Hydra run dir (outputs/DATE/TIME) holds one results.jsonl (results.rankN.jsonl per process
 under torchrun); a multirun dir (multirun/DATE/TIME) holds numbered job dirs with one each.
 Every run is summarized on its own, because a speedup is a ratio of wall times taken in one
 process on one machine, AR included; runs are then merged by those ratios, never by dividing
 times taken in different runs. A method measured by several runs (AR appears in every job of a
-sweep) gets the mean of its per-run numbers, and the sum of their prompts.
+sweep) gets the mean of its per-run numbers, the sum of their prompts and the widest of their
+speedup intervals. The Markdown names each run's machine and settings (its machine.json).
 
 Writes report.md, report.tex, report.csv and plots/*.png into the first dir (or --out) and
 prints the Markdown. Figures are built on matplotlib.figure.Figure, not pyplot, so saving uses
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import re
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -23,12 +25,22 @@ import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator, ScalarFormatter
 
-from bastion.bench.metrics import (BASELINE, aal_by_tree_size, accepted_length_histogram, depth_acceptance_rate,
-                                   step_table, summarize, tree_size_distribution, with_oracle)
+from bastion.bench.metrics import (
+    BASELINE,
+    MIN_PROMPTS,
+    aal_by_tree_size,
+    accepted_length_histogram,
+    depth_acceptance_rate,
+    step_table,
+    summarize,
+    tree_size_distribution,
+    with_oracle,
+)
+from bastion.bench.provenance import read_machine
 from bastion.bench.records import run_records
 
-COLUMNS = ["method", "bench", "temperature", "batch_size", "speedup", "aal", "tokens_per_s", "tpot_ms", "ttft_ms",
-           "lossless", "n_prompts"]
+COLUMNS = ["method", "bench", "temperature", "batch_size", "speedup", "speedup_lo", "speedup_hi", "aal", "tokens_per_s",
+           "tpot_ms", "ttft_ms", "lossless", "n_prompts"]
 KEYS = ["method", "bench", "temperature", "batch_size"]
 MEASURES = ["speedup", "aal", "tokens_per_s", "tpot_ms", "ttft_ms"]
 
@@ -72,7 +84,8 @@ def load(dirs: list[Path]) -> tuple[pd.DataFrame, pd.DataFrame]:
         summaries.append(summary.assign(batch_size=int(records.batch_size.max())))
         steps.append(step_table(records))
     grouped = pd.concat(summaries, ignore_index=True).groupby(KEYS, sort=False)
-    long = grouped[MEASURES].mean().join(grouped.lossless.agg(all_lossless)).join(grouped.n_prompts.sum())
+    long = (grouped[MEASURES].mean().join(grouped.lossless.agg(all_lossless)).join(grouped.n_prompts.sum())
+            .join(grouped.speedup_lo.min()).join(grouped.speedup_hi.max()))
     return long.reset_index()[COLUMNS], pd.concat(steps, ignore_index=True)
 
 
@@ -80,17 +93,34 @@ def setting(temperature: float, batch_size: int) -> str:
     return f"T={temperature}, batch {batch_size}"
 
 
-def paper_tables(long: pd.DataFrame) -> dict[str, tuple[pd.DataFrame, pd.DataFrame]]:
-    """Per setting ("T=0.0, batch 1"): the speedup and AAL tables, rows = methods, columns =
-    benchmarks in order of appearance plus their mean."""
+def run_lines(dirs: list[Path]) -> list[str]:
+    """One line per run under `dirs`: the machine and settings it was measured with."""
+    return [describe_run(run_dir, read_machine(run_dir)) for run_dir in find_runs(dirs)]
+
+
+def describe_run(run_dir: Path, machine: dict) -> str:
+    if not machine:
+        return f"`{run_dir}`: machine not recorded (made before runs kept machine.json)"
+    amx = {True: ", AMX", False: ", no AMX", None: ""}[machine["amx"]]
+    return (f"`{run_dir}`: {machine['device']}{amx}, torch threads {machine['threads']}, "
+            f"load {machine['load']:.1f} at start, profile {machine['profile']}, {machine['dtype']}, "
+            f"torch {machine['torch']}, transformers {machine['transformers']}, "
+            f"commit {machine['commit'] or 'none (not a git checkout)'}")
+
+
+def paper_tables(long: pd.DataFrame) -> dict[str, dict[str, pd.DataFrame]]:
+    """Per setting ("T=0.0, batch 1"), tables with rows = methods and columns = benchmarks in
+    order of appearance: speedup and aal (plus their mean over benchmarks), and speedup_lo,
+    speedup_hi and n_prompts (the spread)."""
     tables = {}
     for (temperature, batch_size), group in long.groupby(["temperature", "batch_size"]):
-        pair = []
-        for value in ("speedup", "aal"):
+        pivots = {}
+        for value in ("speedup", "aal", "speedup_lo", "speedup_hi", "n_prompts"):
             table = group.pivot(index="method", columns="bench", values=value)
-            table = table.reindex(index=group.method.unique(), columns=group.bench.unique())
-            pair.append(table.assign(mean=table.mean(axis=1)))
-        tables[setting(temperature, batch_size)] = tuple(pair)
+            pivots[value] = table.reindex(index=group.method.unique(), columns=group.bench.unique())
+        for value in ("speedup", "aal"):
+            pivots[value] = pivots[value].assign(mean=pivots[value].mean(axis=1))
+        tables[setting(temperature, batch_size)] = pivots
     return tables
 
 
@@ -106,32 +136,57 @@ def cells(speedup: pd.DataFrame, aal: pd.DataFrame, times: str) -> pd.DataFrame:
                         index=speedup.index)
 
 
-def markdown(tables: dict[str, tuple[pd.DataFrame, pd.DataFrame]]) -> str:
-    parts = ["Speedup over AR / AAL (tokens per decode step, bonus included), per benchmark and their mean."]
-    for label, (speedup, aal) in tables.items():
-        table = cells(speedup, aal, "x")
-        lines = [f"### {label}", "", "| method | " + " | ".join(table.columns) + " |",
-                 "|---" * (len(table.columns) + 1) + "|"]
-        lines += [f"| {method} | " + " | ".join(row) + " |" for method, row in table.iterrows()]
-        parts.append("\n".join(lines))
+SPREAD = (f"Speedup's 95% interval (bootstrap over batches) and prompts; under {MIN_PROMPTS} prompts a speedup "
+          "is unreliable.")
+
+
+def spread_cells(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
+    """"[1.80, 2.20], n=8" per method and benchmark (paper_tables' speedup_lo, speedup_hi and
+    n_prompts); "n/a" for an interval one batch cannot give, "-" where the method did not run."""
+    def cell(low: float, high: float, n: float) -> str:
+        if pd.isna(n):
+            return "-"
+        interval = "n/a" if pd.isna(low) else f"[{low:.2f}, {high:.2f}]"
+        return f"{interval}, n={int(n)}" + (" (too few)" if n < MIN_PROMPTS else "")
+
+    low, high, n = tables["speedup_lo"], tables["speedup_hi"], tables["n_prompts"]
+    return pd.DataFrame({c: [cell(*v) for v in zip(low[c], high[c], n[c])] for c in n.columns}, index=n.index)
+
+
+def markdown(tables: dict[str, dict[str, pd.DataFrame]], runs: Sequence[str] = ()) -> str:
+    """The tables of every setting, each followed by its spread; `runs` (run_lines) first."""
+    def rows(table: pd.DataFrame) -> list[str]:
+        return ["| method | " + " | ".join(table.columns) + " |", "|---" * (len(table.columns) + 1) + "|",
+                *(f"| {method} | " + " | ".join(row) + " |" for method, row in table.iterrows())]
+
+    parts = ["Runs:\n" + "\n".join(f"- {line}" for line in runs)] if runs else []
+    parts.append("Speedup over AR / AAL (tokens per decode step, bonus included), per benchmark and their mean.")
+    for label, pivots in tables.items():
+        parts.append("\n".join([f"### {label}", "", *rows(cells(pivots["speedup"], pivots["aal"], "x")), "", SPREAD, "",
+                                *rows(spread_cells(pivots))]))
     return "\n\n".join(parts) + "\n"
 
 
-def latex(tables: dict[str, tuple[pd.DataFrame, pd.DataFrame]]) -> str:
-    """One plain tabular per setting, its label in the first row."""
+def latex(tables: dict[str, dict[str, pd.DataFrame]]) -> str:
+    """Per setting one plain tabular, its label in the first row, and one of its spread."""
+    parts = ["% Speedup over AR / AAL, per benchmark and their mean, then its spread (bastion.bench.report)"]
+    for label, pivots in tables.items():
+        parts.append(tabular(label, cells(pivots["speedup"], pivots["aal"], r"$\times$")))
+        parts.append(tabular(rf"{label}: speedup 95\% interval, prompts", spread_cells(pivots)))
+    return "\n\n".join(parts) + "\n"
+
+
+def tabular(label: str, table: pd.DataFrame) -> str:
+    """A plain tabular of `table`'s cells, `label` in its first row."""
     def tex(name: str) -> str:
         return re.sub(r"([_%&#$])", r"\\\1", name)
 
-    parts = ["% Speedup over AR / AAL, per benchmark and their mean (bastion.report)"]
-    for label, (speedup, aal) in tables.items():
-        table = cells(speedup, aal, r"$\times$")
-        width = len(table.columns) + 1
-        rows = [" & ".join([tex(method), *row]) + r" \\" for method, row in table.iterrows()]
-        parts.append("\n".join([r"\begin{tabular}{l" + "r" * (width - 1) + "}", r"\hline",
-                                rf"\multicolumn{{{width}}}{{l}}{{{label}}} \\",
-                                " & ".join(["method", *map(tex, table.columns)]) + r" \\", r"\hline",
-                                *rows, r"\hline", r"\end{tabular}"]))
-    return "\n\n".join(parts) + "\n"
+    width = len(table.columns) + 1
+    rows = [" & ".join([tex(method), *row]) + r" \\" for method, row in table.iterrows()]
+    return "\n".join([r"\begin{tabular}{l" + "r" * (width - 1) + "}", r"\hline",
+                      rf"\multicolumn{{{width}}}{{l}}{{{label}}} \\",
+                      " & ".join(["method", *map(tex, table.columns)]) + r" \\", r"\hline",
+                      *rows, r"\hline", r"\end{tabular}"])
 
 
 def new_figure(panels: int = 1) -> tuple[Figure, list]:
@@ -234,7 +289,7 @@ def write_report(dirs: list[Path], out: Path | None = None) -> list[Path]:
     (out / "plots").mkdir(parents=True, exist_ok=True)
     tables = paper_tables(long)
     written = [out / "report.md", out / "report.tex", out / "report.csv"]
-    written[0].write_text(markdown(tables))
+    written[0].write_text(markdown(tables, run_lines(dirs)))
     written[1].write_text(latex(tables))
     long.to_csv(written[2], index=False)
     for name, figure in figures(long, steps).items():
@@ -244,7 +299,7 @@ def write_report(dirs: list[Path], out: Path | None = None) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bastion.report", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m bastion.bench.report", description=__doc__.splitlines()[0])
     parser.add_argument("dirs", nargs="+", type=Path, help="Hydra run or multirun dirs")
     parser.add_argument("--out", type=Path, help="where report.* and plots/ go (default: the first dir)")
     args = parser.parse_args(argv)

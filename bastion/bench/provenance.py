@@ -1,0 +1,104 @@
+"""Where and with what a run was measured: the machine, the settings that shape its timings,
+and the code that ran.
+
+A speedup is only comparable with one taken on the same machine class, hardware profile,
+dtype and library versions, so every run keeps these beside its records (machine.json) and
+its summary and report show them: a number without them cannot be checked or reproduced.
+torch is imported inside the functions that ask it, so the report reads machine.json without
+loading it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+from importlib.metadata import version
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from bastion.files import atomic_write_text, read_json
+
+MACHINE_FILE = "machine.json"
+SUMMARY_FIELDS = ("device", "profile", "dtype", "commit")  # the ones summary.csv repeats on every row
+CHECKOUT = Path(__file__).resolve().parents[2]
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
+
+def run_metadata(cfg: DictConfig) -> dict:
+    """The machine and settings of a run whose `cfg.device` is resolved (cuda:N, not auto).
+    `profile` is the `gpu` group as configured: `auto` means matched by the device's name, or
+    measured on CPUs and unknown GPUs (see budget/hardware.py)."""
+    import torch
+
+    return {
+        "device": device_name(cfg.device),
+        "amx": has_amx(cfg.device),
+        "profile": cfg.gpu.name,
+        "dtype": cfg.target.dtype,
+        "threads": torch.get_num_threads(),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),  # how idle OpenMP threads wait: what other tenants cost
+        "load": os.getloadavg()[0],  # 1-minute load average as the run starts: above the core count, timings are noisy
+        "torch": torch.__version__,
+        "transformers": version("transformers"),
+        "commit": git_commit(CHECKOUT),
+    }
+
+
+def device_name(device: str) -> str:
+    """The CUDA device's name, or the CPU's model name (/proc/cpuinfo on Linux)."""
+    import torch
+
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
+    cpuinfo = Path("/proc/cpuinfo")
+    lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
+    model = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "")
+    return model or platform.processor() or platform.machine()
+
+
+def has_amx(device: str) -> bool | None:
+    """Whether the CPU has AMX tiles (fast bfloat16 matmuls); None on a GPU run."""
+    import torch
+
+    return None if device.startswith("cuda") else torch.cpu._is_amx_tile_supported()
+
+
+def git_commit(checkout: Path) -> str | None:
+    """`git rev-parse --short HEAD` of `checkout`, with `-dirty` when its tree has changes
+    (untracked files included: a new module changes what runs); None when it is not a git
+    checkout (an installed copy of the package, even one inside a checkout's .venv) or git is
+    missing. GIT_OPTIONAL_LOCKS=0 keeps `git status` from rewriting the index."""
+    if not (checkout / ".git").exists():
+        return None
+    env = {**os.environ, "GIT_OPTIONAL_LOCKS": "0"}
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=checkout, capture_output=True, text=True,
+                              env=env, check=False)
+        status = subprocess.run(["git", "status", "--porcelain"], cwd=checkout, capture_output=True, text=True, env=env,
+                                check=False)
+    except FileNotFoundError:
+        return None
+    if head.returncode or status.returncode:
+        return None
+    return head.stdout.strip() + ("-dirty" if status.stdout.strip() else "")
+
+
+def write_machine(cfg: DictConfig, out_dir: Path) -> None:
+    """Record run_metadata(cfg) as the run dir's machine.json (a resumed run overwrites it)."""
+    atomic_write_text(out_dir / MACHINE_FILE, json.dumps(run_metadata(cfg), indent=1))
+
+
+def read_machine(run_dir: Path) -> dict:
+    """A run dir's machine.json; {} for runs made before runs recorded their machine."""
+    path = run_dir / MACHINE_FILE
+    return read_json(path, "delete it or rerun into a new hydra.run.dir") if path.exists() else {}
+
+
+def summary_fields(run_dir: Path) -> dict:
+    """SUMMARY_FIELDS of a run dir's machine.json (None where it has none)."""
+    machine = read_machine(run_dir)
+    return {key: machine.get(key) for key in SUMMARY_FIELDS}

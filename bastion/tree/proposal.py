@@ -1,0 +1,52 @@
+"""What a drafter proposes, in the form tree policies read: per-position candidates."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from bastion.sampling import Sampling
+
+
+@dataclass
+class BlockProposal:
+    """Per-position candidates for the K tokens after each row's root.
+
+    Position j holds candidates for the token j+1 places after the root, drawn independently
+    given the verified context (a block-diffusion drafter's marginals), best first. Tree
+    policies combine them into trees; -inf log-probability marks "no candidate".
+    """
+
+    roots: list[int]  # [B] last verified token of each row
+    tokens: torch.Tensor  # [B, K, k] candidate token ids, best first
+    logprobs: torch.Tensor  # [B, K, k] their draft log-probabilities
+    logits: torch.Tensor | None = None  # [B, K, V] full draft logits, when the drafter has them
+
+    @property
+    def block_size(self) -> int:
+        return self.tokens.shape[1]
+
+    def distributions(self, sampling: Sampling, vocab_size: int) -> torch.Tensor:
+        """The draft distributions q [B, K, V] that sampled trees are drawn from: the full
+        logits through the same temperature / top-k / top-p as the target, or else the
+        candidates' own probabilities, renormalised."""
+        if self.logits is not None:
+            return sampling.probs(self.logits)
+        probs = torch.zeros(*self.tokens.shape[:2], vocab_size, device=self.tokens.device)
+        probs.scatter_add_(-1, self.tokens, self.logprobs.exp().to(probs.dtype))
+        return probs / probs.sum(-1, keepdim=True).clamp_min(1e-30)
+
+
+def top_candidates(logits: torch.Tensor, roots: list[int], k: int) -> BlockProposal:
+    """A BlockProposal from draft logits [B, K, V]: the top-k tokens of each position."""
+    logprobs = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
+    top = logprobs.topk(k, dim=-1)
+    return BlockProposal(roots=roots, tokens=top.indices, logprobs=top.values, logits=logits)
+
+
+def matched_prefix(drafts: torch.Tensor, truth: torch.Tensor) -> int:
+    """How many of a chain's drafts [K] a greedy verifier accepts, given the target's tokens
+    after the chain's root [T]: the length of their common prefix."""
+    n = min(len(drafts), len(truth))
+    return int((drafts[:n] == truth[:n]).int().cumprod(0).sum())
