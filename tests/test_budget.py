@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 import torch
 
+import bastion.budget.latency
 from bastion.budget.controller import BastionBudget, merge_best_first
 from bastion.budget.hardware import HardwareProfile, profile_from_config
-from bastion.budget.latency import ForwardCost, LatencyModel
+from bastion.budget.latency import ForwardCost, LatencyModel, calibrated, probe, probe_problem
 from bastion.budget.stretch import ARStretch
 from bastion.models.transformer import ModelArgs
 from bastion.tree.draft_tree import DraftTree
@@ -158,3 +159,58 @@ def test_profiles_and_bad_budgets():
     assert profile_from_config({"name": "auto"}, "cpu", [cfg]).name == "measured-cpu"
     with pytest.raises(ValueError, match="max_nodes must be at least 1"):
         BastionBudget(max_nodes=0)
+
+
+BUSY_PROBE = [[0.224, 0.230, 0.221], [0.479, 0.470, 0.481], [0.190, 0.188, 0.195], [0.66, 0.65, 0.67]]  # a probe taken under load
+IDLE_PROBE = [[0.0263, 0.0265, 0.0262], [0.0268, 0.0270, 0.0266], [0.0268, 0.0268, 0.0269], [0.0278, 0.0279, 0.0277]]
+
+
+def test_probe_timings_a_busy_machine_disturbed_are_named():
+    sizes = (1, 2, 4, 8)
+    assert probe_problem(sizes, IDLE_PROBE) is None
+    assert probe_problem(sizes, BUSY_PROBE) == "479.0 ms for 2 tokens but 190.0 ms for 4"
+    assert probe_problem(sizes, [[0.03, 0.09, 0.08], *IDLE_PROBE[1:]]) == "repeats of the 1-token forward from 30.0 to 90.0 ms"
+    assert probe_problem(sizes, [[0.03, 0.09, 0.03], *IDLE_PROBE[1:]]) is None  # one slow repeat: the median absorbs it
+    assert probe_problem(sizes, [[4e-4], [9e-4], [3e-4], [5e-4]]) is None  # sub-millisecond forwards: jitter
+
+
+def fake_probes(monkeypatch, *results):
+    """probe_times returns `results` in turn (then the last again); returns the call count."""
+    calls = []
+
+    def times(target, sizes, context, repeats):
+        calls.append(1)
+        return results[min(len(calls), len(results)) - 1]
+
+    monkeypatch.setattr(bastion.budget.latency, "probe_times", times)
+    return calls
+
+
+def test_a_busy_probe_is_measured_again_then_refused(tiny_qwen3, monkeypatch):
+    model = LatencyModel.from_profile(tiny_qwen3.args, tiny_qwen3.dtype, HardwareProfile("cpu", {"float64": 0.05}, 8.0))
+    calls = fake_probes(monkeypatch, BUSY_PROBE, IDLE_PROBE)
+    with pytest.warns(UserWarning, match="measuring again"):
+        probe(tiny_qwen3, model, sizes=(1, 2, 4, 8))
+    assert len(calls) == 2 and len(model.points) == 4
+    fake_probes(monkeypatch, BUSY_PROBE)
+    with pytest.warns(UserWarning), pytest.raises(ValueError, match="the machine looks busy. Rerun when it is idle"):
+        probe(tiny_qwen3, model, sizes=(1, 2, 4, 8))
+
+
+def test_a_cached_fit_serves_only_its_machine_and_profile(tiny_qwen3, monkeypatch, tmp_path):
+    calls = fake_probes(monkeypatch, IDLE_PROBE)
+    cpu = HardwareProfile("cpu", {"float64": 0.05}, 8.0)
+    calibrated(tiny_qwen3, cpu, tmp_path)
+    calibrated(tiny_qwen3, cpu, tmp_path)
+    assert len(calls) == 1  # cached
+    calibrated(tiny_qwen3, HardwareProfile("measured-cpu", {"float64": 0.1}, 20.0), tmp_path)
+    assert len(calls) == 2  # another profile: another prior, another fit
+    monkeypatch.setattr(bastion.budget.latency, "device_name", lambda device: "Another CPU")
+    calibrated(tiny_qwen3, cpu, tmp_path)
+    assert len(calls) == 3 and len(list((tmp_path / "latency").glob("*.json"))) == 3
+
+
+def test_a_gpu_profile_on_the_cpu_warns():
+    h100 = {"name": "h100", "peak_tflops": {"bfloat16": 989.0}, "memory_gbs": 3350.0}
+    with pytest.warns(UserWarning, match="gpu=h100 describes a GPU but this run is on the CPU"):
+        assert profile_from_config(h100, "cpu", []).name == "h100"

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import subprocess
 from importlib.metadata import version
 from pathlib import Path
@@ -34,6 +33,8 @@ def run_metadata(cfg: DictConfig) -> dict:
     measured on CPUs and unknown GPUs (see budget/hardware.py)."""
     import torch
 
+    from bastion.budget.hardware import device_name  # torch-heavy: the report reads machine.json without it
+
     return {
         "device": device_name(cfg.device),
         "amx": has_amx(cfg.device),
@@ -46,18 +47,6 @@ def run_metadata(cfg: DictConfig) -> dict:
         "transformers": version("transformers"),
         "commit": git_commit(CHECKOUT),
     }
-
-
-def device_name(device: str) -> str:
-    """The CUDA device's name, or the CPU's model name (/proc/cpuinfo on Linux)."""
-    import torch
-
-    if device.startswith("cuda"):
-        return torch.cuda.get_device_name(torch.device(device))
-    cpuinfo = Path("/proc/cpuinfo")
-    lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
-    model = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "")
-    return model or platform.processor() or platform.machine()
 
 
 def has_amx(device: str) -> bool | None:

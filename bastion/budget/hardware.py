@@ -7,8 +7,11 @@ online calibration correct whatever a profile gets wrong (see latency.py).
 
 from __future__ import annotations
 
+import platform
 import time
+import warnings
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -29,9 +32,22 @@ class HardwareProfile:
         return 1e9 * self.memory_gbs
 
 
+def device_name(device: str) -> str:
+    """The CUDA device's name, or the CPU's model name (/proc/cpuinfo on Linux)."""
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
+    cpuinfo = Path("/proc/cpuinfo")
+    lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
+    model = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "")
+    return model or platform.processor() or platform.machine()
+
+
 def profile_from_config(cfg: dict, device: str, known: list[dict]) -> HardwareProfile:
     """conf/gpu/<name>.yaml -> a profile; `auto` matches the device against `known` (the
     other conf/gpu entries) by name, or measures it."""
+    if device == "cpu" and cfg["name"] not in ("auto", "cpu"):
+        warnings.warn(f"gpu={cfg['name']} describes a GPU but this run is on the CPU ({device_name(device)}): its figures "
+                      "are only the latency model's prior, which the probe on this CPU corrects; gpu=auto fits the CPU.", stacklevel=2)
     if cfg["name"] == "auto":
         if device.startswith("cuda"):
             gpu = torch.cuda.get_device_name(torch.device(device)).lower()

@@ -6,15 +6,17 @@ B bytes (the weights once, each row's KV cache). Under a roofline it takes
 with a, b the inverse efficiencies of compute and memory, t0 a fixed cost per forward, and
 smoothmax(x, y) = (x^p + y^p)^(1/p): p -> inf is the textbook max (GPUs overlap compute and
 memory traffic), p = 1 their sum (CPUs mostly do not). The hardware profile gives the prior;
-a short probe at start-up fits all four parameters (cached per device, model, dtype and
-attention backend) and measured step times keep refitting t0, a and b online, so a wrong
-profile corrects itself within a few steps.
+a short probe at start-up fits all four parameters (cached per machine, profile, model, dtype,
+kernels and attention backend; a probe a busy machine disturbed is refused, not cached) and
+measured step times keep refitting t0, a and b online, so a wrong profile corrects itself
+within a few steps.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -23,8 +25,9 @@ from pathlib import Path
 import numpy as np
 import torch
 from scipy.optimize import least_squares
+from tqdm import tqdm
 
-from bastion.budget.hardware import HardwareProfile
+from bastion.budget.hardware import HardwareProfile, device_name
 from bastion.files import atomic_write_text
 from bastion.models.packed_linear import linear_kernels
 from bastion.models.timer import now
@@ -122,13 +125,32 @@ class LatencyModel:
         self.observe(float(flops), float(moved), seconds)
 
 
-def probe(target, model: LatencyModel, sizes=PROBE_SIZES, context: int = 256, repeats: int = 3) -> None:
-    """Time target forwards of `sizes` chain tokens after `context` cached tokens, and fit."""
+def probe(target, model: LatencyModel, sizes=PROBE_SIZES, context: int = 256, repeats: int = 3, attempts: int = 2) -> None:
+    """Time target forwards of `sizes` chain tokens after `context` cached tokens, and fit.
+    Timings that cannot be right (see `probe_problem`) are measured again, and refused in one
+    sentence if they still are: a fit cached from a busy machine would mis-size every later run."""
+    for attempt in range(attempts):
+        times = probe_times(target, sizes, context, repeats)
+        problem = probe_problem(sizes, times)
+        if problem is None:
+            break
+        if attempt + 1 == attempts:
+            raise ValueError(f"The latency probe of {target.name} measured {problem}: the machine looks busy. "
+                             "Rerun when it is idle (or use budget=fixed, which needs no probe).")
+        warnings.warn(f"latency probe: {problem}; measuring again", stacklevel=2)
+    for n, ts in zip(sizes, times):
+        model.observe_forward([n], [context], float(np.median(ts)))
+    model.fit(fit_shape=True, prior_weight=1e-3)
+
+
+def probe_times(target, sizes, context: int, repeats: int) -> list[list[float]]:
+    """Seconds of `repeats` forwards of each size (after one untimed warm-up each)."""
     device = target.device
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, target.args.vocab_size, (1, context + max(sizes)), generator=gen).to(device)
-    for n in sizes:
-        times = []
+    times = []
+    for n in tqdm(sizes, desc="latency probe", unit="size", leave=False):
+        runs = []
         for _ in range(repeats + 1):
             cache = target.new_cache(1, context + n)
             cache.lengths = [context]
@@ -136,18 +158,36 @@ def probe(target, model: LatencyModel, sizes=PROBE_SIZES, context: int = 256, re
             t0 = now(device)
             hidden, _ = target.forward(tokens[:, context : context + n], torch.arange(n, device=device)[None], mask, cache)
             target.logits(hidden)
-            times.append(now(device) - t0)
-        model.observe_forward([n], [context], float(np.median(times[1:])))  # the first run warms up
-    model.fit(fit_shape=True, prior_weight=1e-3)
+            runs.append(now(device) - t0)
+        times.append(runs[1:])
+    return times
+
+
+def probe_problem(sizes, times: list[list[float]], spread: float = 2.0, drop: float = 0.6, floor: float = 1e-3) -> str | None:
+    """What makes a probe's timings untrustworthy, or None. A forward's cost only grows with its
+    tokens, and repeats of one forward agree on an idle machine; another process taking the
+    cores breaks both: most repeats over `spread` times the fastest (one slow repeat is the
+    jitter the median absorbs), or a forward's median under `drop` times a smaller one's (and
+    `floor` seconds less: sub-millisecond forwards are all jitter)."""
+    medians = [float(np.median(ts)) for ts in times]
+    for n, ts, median in zip(sizes, times, medians):
+        if median > spread * min(ts):
+            return f"repeats of the {n}-token forward from {1e3 * min(ts):.1f} to {1e3 * max(ts):.1f} ms"
+    for i, (n, t) in enumerate(zip(sizes, medians)):
+        slowest = int(np.argmax(medians[:i])) if i else None
+        if slowest is not None and t < drop * medians[slowest] and medians[slowest] - t > floor:
+            return f"{1e3 * medians[slowest]:.1f} ms for {sizes[slowest]} tokens but {1e3 * t:.1f} ms for {n}"
+    return None
 
 
 def calibrated(target, hw: HardwareProfile, cache_dir: Path, use_cache: bool = True) -> LatencyModel:
-    """The probe-fitted model for this device / model / dtype / linear kernels / attention
-    backend, cached."""
+    """The probe-fitted model, cached per machine (GPU or CPU model, and the CPU threads torch
+    uses), hardware profile (its prior shapes the fit), model, dtype, linear kernels and
+    attention backend: a fit made elsewhere is never reused."""
     model = LatencyModel.from_profile(target.args, target.dtype, hw)
-    device = torch.cuda.get_device_name(target.device) if target.device.type == "cuda" else "cpu"
-    key = f"{device}__{target.name}__{str(target.dtype).removeprefix('torch.')}__{linear_kernels(target.model)}__sdpa".replace(" ", "_").replace("/", "_")
-    path = Path(cache_dir) / "latency" / f"{key}.json"
+    machine = device_name(str(target.device)) + ("" if target.device.type == "cuda" else f"-{torch.get_num_threads()}threads")
+    parts = (machine, hw.name, target.name, str(target.dtype).removeprefix("torch."), linear_kernels(target.model), "sdpa")
+    path = Path(cache_dir) / "latency" / f"{re.sub(r'[^A-Za-z0-9._-]+', '_', '__'.join(parts))}.json"
     if not (use_cache and read_calibration(path, model)):
         started = time.perf_counter()
         probe(target, model)
