@@ -214,3 +214,8 @@ def test_a_gpu_profile_on_the_cpu_warns():
     h100 = {"name": "h100", "peak_tflops": {"bfloat16": 989.0}, "memory_gbs": 3350.0}
     with pytest.warns(UserWarning, match="gpu=h100 describes a GPU but this run is on the CPU"):
         assert profile_from_config(h100, "cpu", []).name == "h100"
+
+
+def test_the_probe_times_real_forwards(tiny_qwen3):
+    times = bastion.budget.latency.probe_times(tiny_qwen3, (1, 4), context=16, repeats=2)  # [sizes][repeats]
+    assert len(times) == 2 and all(len(ts) == 2 and all(t > 0 for t in ts) for ts in times)
