@@ -177,7 +177,8 @@ def method_settings(cfg: DictConfig, plan: MethodPlan) -> dict:
     """What shapes a method's records: the target, decoding, seed and machine settings, and
     for drafting methods the drafter (with a digest of its checkpoint's files), tree and budget."""
     settings = {key: OmegaConf.to_container(cfg[key], resolve=True) if OmegaConf.is_config(cfg[key]) else cfg[key]
-                for key in ("target", "decode", "seed", "device", "threads", "packed_weights")}
+                for key in ("target", "decode", "seed", "threads", "packed_weights")}
+    settings["device"] = cfg.device.split(":")[0]  # cpu or cuda: torchrun's ranks run one cuda:N each, alike
     if plan.node is not None:
         for group, node in (("drafter", plan.node.drafter), ("tree", plan.node.tree), ("budget", plan.budget),
                             ("gpu", plan.node.gpu)):
@@ -189,9 +190,10 @@ def method_settings(cfg: DictConfig, plan: MethodPlan) -> dict:
 
 def files_digest(source: str) -> str:
     """A digest of a local checkpoint directory's files (names and bytes), or the source
-    itself when it is a Hub id: retraining into the same directory changes it."""
-    path = Path(source).expanduser()
-    if not path.is_dir():
+    itself when it is a Hub id: retraining into the same directory changes it. A relative
+    directory is looked up as the drafters' loader does (here, then in the project)."""
+    path = next((p for p in (Path(source).expanduser(), CONF_DIR.parent / source) if p.is_dir()), None)
+    if path is None:
         return source
     digest = hashlib.sha256()
     for file in sorted(p for p in path.iterdir() if p.is_file() and p.suffix in (".json", ".safetensors")):
@@ -202,12 +204,13 @@ def files_digest(source: str) -> str:
     return digest.hexdigest()[:16]
 
 
-def build_methods(cfg: DictConfig, target, plans: list[MethodPlan]) -> list[Method]:
-    """The planned methods' objects. Methods sharing a drafter configuration share one drafter
-    instance."""
+def build_methods(cfg: DictConfig, target, plans: list[MethodPlan], settings_of: dict[str, dict]) -> list[Method]:
+    """The planned methods' objects, with their settings (`settings_of`, by name: what
+    method_settings gave the run dir's check). Methods sharing a drafter configuration share
+    one drafter instance."""
     profile, drafters, methods = None, {}, []
     for plan in plans:
-        settings = method_settings(cfg, plan)
+        settings = settings_of[plan.name]
         if plan.node is None:
             methods.append(Method(plan.name, settings=settings))
             continue

@@ -221,8 +221,9 @@ def _step(m: _Method, batch: _Batch) -> Step:
         m.drafter.accept(paths)
     if m.capture:
         features = _gather_paths(features, paths)
-    m.recorder.record(batch.active, [len(p) for p in paths], features, logits[:, 0])
-    batch.ctx = DraftContext([seq + v.tokens for seq, v in zip(ctx.sequences, verdicts)], features, [len(p) for p in paths], cache)
+    committed = [len(p) for p in paths]
+    m.recorder.record(batch.active, committed, features, logits[:, 0])
+    batch.ctx = DraftContext([seq + v.tokens for seq, v in zip(ctx.sequences, verdicts)], features, committed, cache)
     keep = _extend_outputs(batch.decoding, batch.active, [v.tokens for v in verdicts], m.stopper, step=True)
     rows, batch.active = batch.active, _keep_rows(keep, batch.active, cache, m.drafter, batch.ctx)
     t4 = now(device)
@@ -248,6 +249,8 @@ def _draft_trees(m: _Method, proposal, contexts: list[int]):
 def _verify(m: _Method, batch: _Batch, logits: torch.Tensor, trees: list[DraftTree], depths: torch.Tensor, draft_probs):
     """Each row's accepted path and new tokens: greedily against keyed scores, or by rejection
     sampling of sampled children."""
+    if m.sampling.greedy:
+        return verify_greedy(logits, trees)
     if not m.sampling.keyed:
         return verify_sampled(logits, trees, m.sampling, m.generator, draft_probs)
     start = torch.tensor([len(batch.decoding.generations[i].tokens) for i in batch.active], device=logits.device)  # [B] output position after each root

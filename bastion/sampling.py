@@ -61,7 +61,6 @@ class Sampling:
             probs = probs / probs.sum(-1, keepdim=True)
         return probs
 
-
     @property
     def keyed(self) -> bool:
         """Tokens are keyed Gumbel-max samples (greedy is the noiseless case)."""

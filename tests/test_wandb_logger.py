@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from bastion.bench import wandb_logger
-from bastion.models.loading import packaged_dir
 from bastion.bench.report import load, write_report
+from bastion.models.loading import packaged_dir
 from bastion.train.loop import train_loop
 from tests.conftest import ROOT
 from tests.test_report import METHOD, PLOTS, write_run

@@ -16,7 +16,8 @@ from bastion.bench import wandb_logger
 from bastion.bench.datasets import check_prompt_lengths, load_prompts
 from bastion.bench.metrics import with_oracle
 from bastion.bench.provenance import SUMMARY_FIELDS, write_machine
-from bastion.bench.rundir import check_run_dir
+from bastion.bench.report import load, write_report
+from bastion.bench.rundir import check_run_dir, locked
 from bastion.bench.runner import run_methods, summarize_run
 from bastion.compose import (
     build,
@@ -30,7 +31,6 @@ from bastion.compose import (
 )
 from bastion.drafters.checkpoint import resolve_checkpoint
 from bastion.files import atomic_write_text
-from bastion.bench.report import load, write_report
 from bastion.sampling import Sampling
 
 logger = logging.getLogger(__name__)  # Hydra's job logging: the console and the run dir's run.log
@@ -97,19 +97,23 @@ def run(cfg: DictConfig) -> None:
     prompts = {n: load_prompts(n, b.get("limit"), b.get("data_dir"), b.get("shuffle", False), b.get("seed", 0), b.get("path"), b.get("field")) for n in names}
     if world > 1 and "hydra.run.dir" not in " ".join(HydraConfig.get().overrides.hydra):
         raise ValueError("Under torchrun every process must write to the same run dir: add hydra.run.dir=outputs/NAME.")
+    if world > 1 and cfg.fresh:
+        raise ValueError("fresh=true sets a run dir's results aside in one process: run it without torchrun, or choose a new hydra.run.dir.")
     out_dir = Path(HydraConfig.get().runtime.output_dir)
-    check_run_dir(out_dir, {plan.name: method_settings(cfg, plan) for plan in plans}, cfg.fresh)
-    if rank == 0:
-        write_config(cfg, out_dir)
-        write_machine(cfg, out_dir)
-    wandb_run = wandb_logger.start(OmegaConf.to_container(cfg, resolve=True), out_dir) if rank == 0 else None  # logger=wandb only
-    target = build_target(cfg)
-    check_prompt_lengths(target, prompts, d.max_new_tokens)
-    methods = build_methods(cfg, target, plans)
     shard = f".rank{rank}" if world > 1 else ""
-    for name in names:  # under torchrun each process decodes every world-th prompt
-        run_methods(target, methods, prompts[name][rank::world], name, out_dir, d.max_new_tokens, d.batch_size, cfg.warmup,
-                    sampling, cfg.seed, shard, tuple(d.stop))
+    with locked(out_dir, shard):  # from the settings check to the last record: no other run changes the dir meanwhile
+        settings = {plan.name: method_settings(cfg, plan) for plan in plans}
+        check_run_dir(out_dir, settings, cfg.fresh)
+        if rank == 0:
+            write_config(cfg, out_dir)
+            write_machine(cfg, out_dir)
+        wandb_run = wandb_logger.start(OmegaConf.to_container(cfg, resolve=True), out_dir) if rank == 0 else None  # logger=wandb only
+        target = build_target(cfg)
+        check_prompt_lengths(target, prompts, d.max_new_tokens)
+        methods = build_methods(cfg, target, plans, settings)
+        for name in names:  # under torchrun each process decodes every world-th prompt
+            run_methods(target, methods, prompts[name][rank::world], name, out_dir, d.max_new_tokens, d.batch_size, cfg.warmup,
+                        sampling, cfg.seed, shard, tuple(d.stop))
     if world > 1:
         wait_for_all_ranks()
         if rank:

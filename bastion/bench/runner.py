@@ -24,7 +24,7 @@ from bastion.bench.datasets import Prompt, chat_tokens
 from bastion.bench.metrics import summarize
 from bastion.bench.provenance import summary_fields
 from bastion.bench.records import drop_cut_line, read_records, run_records
-from bastion.bench.rundir import fingerprint, locked
+from bastion.bench.rundir import fingerprint
 from bastion.compose import Method
 from bastion.models.target import Target
 from bastion.sampling import GREEDY, Sampling
@@ -46,29 +46,30 @@ def run_methods(
 ) -> None:
     """Decode `prompts` with every method; append a record per prompt to
     out_dir/results{shard}.jsonl, skipping those already there with the method's settings and
-    the prompt's text (rundir.check_run_dir has refused other settings before)."""
+    the prompt's text (under the run dir's lock, after rundir.check_run_dir refused other
+    settings)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
     results = out_dir / f"results{shard}.jsonl"
-    with locked(out_dir, shard):
-        current = {(m.name, fingerprint(m.settings)) for m in methods}
-        done = {(r["method"], r["bench"], r["prompt_id"], r["prompt_hash"]) for r in read_records(results)
-                if (r["method"], r.get("fingerprint")) in current}
-        if warmup:  # the first batch at the run's batch size: a batch-1 warm-up leaves larger batches' shapes cold
-            first = [chat_tokens(target.tokenizer, [{"role": "user", "content": p.turns[0]}])
-                     for p in prompts[:batch_size]]
+    current = {(m.name, fingerprint(m.settings)) for m in methods}
+    done = {(r["method"], r["bench"], r["prompt_id"], r["prompt_hash"]) for r in read_records(results)
+            if (r["method"], r.get("fingerprint")) in current}
+    if warmup:  # the first batch at the run's batch size: a batch-1 warm-up leaves larger batches' shapes cold
+        first = [chat_tokens(target.tokenizer, [{"role": "user", "content": p.turns[0]}])
+                 for p in prompts[:batch_size]]
+        for method in methods:
+            method.generate(target, first, min(8, max_new_tokens), sampling, seed, stop)
+    drop_cut_line(results)
+    batches = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
+    with open(results, "a") as sink, tqdm(total=len(batches) * len(methods), desc=bench, unit="batch", leave=False) as bar:
+        for batch in batches:  # every method on one batch, then the next: slow drift of the machine hits all alike
             for method in methods:
-                method.generate(target, first, min(8, max_new_tokens), sampling, seed, stop)
-        drop_cut_line(results)
-        batches = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
-        with open(results, "a") as sink, tqdm(total=len(batches) * len(methods), desc=bench, unit="batch", leave=False) as bar:
-            for batch in batches:  # every method on one batch, then the next: slow drift of the machine hits all alike
-                for method in methods:
-                    bar.set_postfix_str(method.name)
-                    todo = [p for p in batch if (method.name, bench, p.id, prompt_hash(p)) not in done]
-                    if todo:
-                        for record in decode_batch(target, method, todo, bench, max_new_tokens, sampling, seed, stop):
-                            sink.write(json.dumps(record) + "\n")
-                        sink.flush()
-                    bar.update()
+                bar.set_postfix_str(method.name)
+                todo = [p for p in batch if (method.name, bench, p.id, prompt_hash(p)) not in done]
+                if todo:
+                    for record in decode_batch(target, method, todo, bench, max_new_tokens, sampling, seed, stop):
+                        sink.write(json.dumps(record) + "\n")
+                    sink.flush()
+                bar.update()
 
 
 def prompt_hash(prompt: Prompt) -> str:
