@@ -30,8 +30,7 @@ from bastion.train.data import check_mix
 from run import installed
 from tests.conftest import ROOT
 
-GUIDES = [ROOT / "README.md", ROOT / "experiments" / "README.md", ROOT / "experiments" / "CLUSTER.md", ROOT / "run.py",
-          ROOT / "train.py", ROOT / "Makefile"]
+GUIDES = [ROOT / "README.md", *sorted((ROOT / "experiments").glob("*.md")), ROOT / "run.py", ROOT / "train.py", ROOT / "Makefile"]
 DOCS = [*GUIDES, *sorted((ROOT / "conf").rglob("*.yaml"))]  # the configs' comments hold examples too
 CONFIGS = {"run.py": "config", "train.py": "training"}
 # `python run.py ARGS`, `torchrun --nproc-per-node 8 run.py ARGS`, the Makefile's `$(PY) run.py ARGS`. An argument
