@@ -98,8 +98,7 @@ def resolve_device(device: str) -> str:
 
 def fast_bfloat16(device: str) -> bool:
     """Whether bfloat16 matmuls beat float32 ones on `device`: on CUDA, and on CPUs with AMX
-    tiles (a 2-core Xeon: 2.0-2.4 TFLOP/s against 0.3 in float32). On CPUs without AMX
-    oneDNN's bfloat16 path is slower than float32 (SmolLM2 decoding 2x slower on a 2-core EPYC)."""
+    tiles. On CPUs without AMX oneDNN's bfloat16 path is slower than float32 (experiments/NOTES.md)."""
     if device.startswith("cuda"):
         return torch.cuda.is_bf16_supported()
     return torch.backends.mkldnn.is_available() and torch.cpu._is_amx_tile_supported()

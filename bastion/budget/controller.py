@@ -8,8 +8,8 @@ row's nodes in its own order, so every row keeps a prefix-closed tree), and T_ve
 latency of the padded batch. T_verify comes from the roofline model in latency.py, refitted
 online from measured verify times; T_draft and the overhead are running means of measured times.
 
-A_hat is the drafter's own belief, and drafters are overconfident, more so out of domain
-(measured: accepted / A_hat = 0.73 on GSM8K, 0.30 on MT-Bench, the same at every tree size).
+A_hat is the drafter's own belief, and drafters are overconfident, more so out of domain, by a
+ratio that hardly depends on the tree's size (experiments/NOTES.md).
 So the controller scales A_hat by the running ratio of accepted tokens to A_hat over the steps
 it verified. When even the best tree is predicted slower than AR (S(n) < 1 for every n), the
 following steps are AR steps (budget/stretch.py: 8 at first, doubling while retries fail, and

@@ -2,11 +2,10 @@
 
 Why: on CPU, `F.linear` calls MKL's sgemm, which repacks the whole weight matrix on every call
 once the input has more than one row. Decoding streams every weight once per forward, so that
-repacking is paid per step: on a 2-core EPYC a 2-token forward of SmolLM2-135M cost 114 ms
-against 68 ms for one token. Packing once at load time (oneDNN's own blocked layout) makes
-the 2..16-token forwards a verifier runs 15-35% cheaper (2 tokens: 73 ms) and leaves the
-1-token forward of AR decoding as fast as before, so every method, AR included, runs the same
-kernels. GPU runs, float64 models and training (autograd, autocast) keep the plain path.
+repacking is paid per step, and a verifier's 2..16-token forwards cost far more than AR's
+1-token ones for no reason of their own. Packing once at load time (oneDNN's own blocked
+layout) removes that and leaves the 1-token forward as fast as before, so every method, AR
+included, runs the same kernels (figures: experiments/NOTES.md). GPU runs, float64 models and training (autograd, autocast) keep the plain path.
 """
 
 from __future__ import annotations

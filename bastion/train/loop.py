@@ -59,7 +59,7 @@ def train_loop(
     the loop itself knows no logger."""
     for group in param_groups:
         group["peak"] = group["lr"]
-    optimizer = torch.optim.AdamW(param_groups, betas=(0.9, 0.95), weight_decay=weight_decay, fused=True)  # fused: 10% faster steps on CPU
+    optimizer = torch.optim.AdamW(param_groups, betas=(0.9, 0.95), weight_decay=weight_decay, fused=True)  # fused: one kernel for all parameters
     params = [p for g in param_groups for p in g["params"]]
     gen = torch.Generator().manual_seed(seed)
     mixed = torch.autocast(params[0].device.type, torch.bfloat16, enabled=autocast)
