@@ -17,13 +17,14 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from bastion.bench.provenance import MACHINE_FILE
 from bastion.bench.records import run_records
 from bastion.files import atomic_write_text, read_json
 
 logger = logging.getLogger(__name__)
 
 SETTINGS_FILE = "methods.json"
-RESULT_FILES = ("results*.jsonl", SETTINGS_FILE, "summary.csv", "config.yaml", "overrides.yaml")
+RESULT_FILES = ("results*.jsonl", SETTINGS_FILE, MACHINE_FILE, "summary.csv", "config.yaml", "overrides.yaml")  # what fresh=true sets aside
 
 
 def fingerprint(settings: dict) -> str:
