@@ -11,11 +11,11 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-import pandas as pd
 import pytest
 from hydra import compose, initialize_config_dir
 
 from bastion.bench.datasets import BENCHES, Prompt, load_prompts
+from bastion.bench.provenance import read_summary
 from bastion.bench.records import read_records
 from bastion.bench.runner import Method, decode_batch, run_methods
 from bastion.compose import CONTROL, plan_methods
@@ -138,7 +138,7 @@ def test_run_records_its_machine_and_its_noise_floor(tmp_path):
     order = [(r["batch_id"], r["method"]) for r in read_records(tmp_path / "results.jsonl")]
     assert [m for _, m in order] == ["ar", "ngram+best_first+fixed4", CONTROL] * 3
     machine = json.loads((tmp_path / "machine.json").read_text())
-    summary = pd.read_csv(tmp_path / "summary.csv").set_index("method")
+    summary = read_summary(tmp_path / "summary.csv").set_index("method")
     control = summary.loc[CONTROL]
     assert bool(control.lossless) and 0 < control.speedup_lo <= control.speedup <= control.speedup_hi
     assert "only 3 prompt(s): too few" in control.note

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import json
 
-import pandas as pd
-
+from bastion.bench.provenance import read_summary
 from tests.test_errors import run_py
 
 ARGS = ["target=tiny_qwen3", "drafter=ngram", "budget=fixed", "bench.limit=3", "decode.max_new_tokens=6", "drafter.block_size=4", "budget.nodes=4"]
@@ -16,7 +15,7 @@ def test_run_writes_records_and_summary_then_resumes(tmp_path):
     assert result.returncode == 0, result.stderr
     records = [json.loads(line) for line in open(tmp_path / "results.jsonl")]
     assert len(records) == 6 and {r["method"] for r in records} == {"ar", "ngram+best_first+fixed4"}
-    summary = pd.read_csv(tmp_path / "summary.csv")
+    summary = read_summary(tmp_path / "summary.csv")
     assert {"method", "bench", "n_prompts", "new_tokens", "aal", "tokens_per_s", "speedup", "lossless"} <= set(summary.columns)
     ar = summary.set_index("method").loc["ar"]
     assert ar.aal == 1.0 and ar.speedup == 1.0 and ar.n_prompts == 3
@@ -54,6 +53,6 @@ def test_torchrun_shards_prompts_and_merges_records(tmp_path):
     shards = [[json.loads(line) for line in open(tmp_path / f"results.rank{r}.jsonl")] for r in (0, 1)]
     assert {len(s) for s in shards} == {6, 4}  # 5 prompts x 2 methods: prompts 0, 2, 4 and 1, 3
     assert not {r["prompt_id"] for r in shards[0]} & {r["prompt_id"] for r in shards[1]}
-    summary = pd.read_csv(tmp_path / "summary.csv")
+    summary = read_summary(tmp_path / "summary.csv")
     assert (summary.n_prompts == 5).all() and summary.lossless.all()
     assert f"records: {tmp_path / 'results.rank0.jsonl'}, {tmp_path / 'results.rank1.jsonl'}\n" in result.stdout  # the files written

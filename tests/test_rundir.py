@@ -10,6 +10,7 @@ import pandas as pd
 import pytest
 
 from bastion.bench.datasets import Prompt
+from bastion.bench.provenance import read_summary
 from bastion.bench.rundir import check_run_dir, locked
 from bastion.bench.runner import prompt_hash, summarize_run
 from tests.test_errors import run_py
@@ -132,5 +133,5 @@ def test_sampled_runs_are_reproducible_and_checked_lossless(tmp_path):
     tokens = [{(r["method"], r["prompt_id"]): r["tokens"] for r in records(run)} for run in runs]
     assert tokens[0] == tokens[1] == tokens[2]
     assert all(tokens[0][("ar", p)] == tokens[0][(m, p)] for m, p in tokens[0])
-    summary = pd.read_csv(runs[0] / "summary.csv")
+    summary = read_summary(runs[0] / "summary.csv")
     assert summary.lossless.all() and (summary.temperature == 1.0).all()

@@ -17,6 +17,8 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import pandas as pd
+
 from bastion.files import atomic_write_text, read_json
 
 MACHINE_FILE = "machine.json"
@@ -91,3 +93,9 @@ def summary_fields(run_dir: Path) -> dict:
     """SUMMARY_FIELDS of a run dir's machine.json (None where it has none)."""
     machine = read_machine(run_dir)
     return {key: machine.get(key) for key in SUMMARY_FIELDS}
+
+
+def read_summary(path: Path) -> pd.DataFrame:
+    """A run's summary.csv with its provenance columns as text: a short commit of digits only
+    (0863448) must not come back as the number 863448."""
+    return pd.read_csv(path, dtype=dict.fromkeys(SUMMARY_FIELDS, str))

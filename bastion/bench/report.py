@@ -36,7 +36,7 @@ from bastion.bench.metrics import (
     tree_size_distribution,
     with_oracle,
 )
-from bastion.bench.provenance import read_machine
+from bastion.bench.provenance import read_machine, read_summary
 from bastion.bench.records import run_records
 
 COLUMNS = ["method", "bench", "temperature", "batch_size", "speedup", "speedup_lo", "speedup_hi", "aal", "tokens_per_s",
@@ -59,7 +59,7 @@ def with_recomputed_oracles(summary: pd.DataFrame, saved_summary: Path) -> pd.Da
     with its winning budget in `oracle_of` (e.g. dflash+best_first+fixed16): pick again the best
     of this run's methods with that prefix and a fixed budget, so that the oracle covers the
     same prompts as every other row."""
-    saved = pd.read_csv(saved_summary) if saved_summary.exists() else pd.DataFrame()
+    saved = read_summary(saved_summary) if saved_summary.exists() else pd.DataFrame()
     if "oracle_of" not in saved:
         return summary
     for name, winner in saved.dropna(subset=["oracle_of"]).drop_duplicates("method")[["method", "oracle_of"]].values:
