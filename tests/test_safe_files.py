@@ -177,10 +177,10 @@ def test_a_checkpoint_git_tracks_is_replaced_only_with_overwrite_true(tmp_path, 
     assert cli.git_tracked(repo / "checkpoints" / "mine") and cli.git_tracked(ROOT / "checkpoints" / "dflash_smollm2_135m")
     assert not cli.git_tracked(repo / "scratch") and not cli.git_tracked(repo / "scratch" / "new") and not cli.git_tracked(tmp_path)
 
-    tracked = ["data.mix={gsm8k: 1.0}", f"recipe.output_dir={repo / 'checkpoints' / 'mine'}"]
+    tracked = ["data.mix={gsm8k: 1.0}", "data.n_prompts=8", f"recipe.output_dir={repo / 'checkpoints' / 'mine'}"]
     with pytest.raises(ValueError, match=re.escape(str(repo / "checkpoints" / "mine")) + " holds a checkpoint that git tracks; add recipe.overwrite=true"):
         cli.train(training_config(tmp_path, *tracked))
-    for allowed in ([*tracked, "recipe.overwrite=true"], ["data.mix={gsm8k: 1.0}", f"recipe.output_dir={repo / 'scratch'}"]):
+    for allowed in ([*tracked, "recipe.overwrite=true"], ["data.mix={gsm8k: 1.0}", "data.n_prompts=8", f"recipe.output_dir={repo / 'scratch'}"]):
         with pytest.raises(AssertionError, match="the target was loaded"):  # past every check
             cli.train(training_config(tmp_path, *allowed))
 
@@ -188,7 +188,8 @@ def test_a_checkpoint_git_tracks_is_replaced_only_with_overwrite_true(tmp_path, 
 # ---- dict overrides and the data mix ----------------------------------------------------------
 
 def test_a_dict_override_replaces_the_configured_dict(tmp_path):
-    assert OmegaConf.to_container(training_config(tmp_path).data.mix) == {"gsm8k": 0.6, "math": 0.2, "mbpp": 0.07, "chat": 0.13}
+    assert OmegaConf.to_container(training_config(tmp_path).data.mix) == {"gsm8k": 0.45, "math": 0.15, "mbpp": 0.055, "chat": 0.22,
+                                                                          "followup": 0.125}
     cfg = training_config(tmp_path, "data.mix={gsm8k: 1.0}", "data.n_prompts=8")
     assert OmegaConf.to_container(cfg.data.mix) == {"gsm8k": 1.0} and cfg.data.n_prompts == 8
     cfg = training_config(tmp_path, "data.mix={gsm8k: 1.0, chat: 1.0}", "data.mix.math=0.5", "~data.mix.chat")
@@ -197,14 +198,15 @@ def test_a_dict_override_replaces_the_configured_dict(tmp_path):
 
 
 @pytest.mark.parametrize("overrides, refusal", [
-    ([], "a target with random weights writes none; drop it with ~data.mix.chat"),
+    ([], "a target with random weights writes none; drop them with ~data.mix.chat ~data.mix.followup"),
+    (["data.mix={gsm8k: 1.0, chat: 0.1, followup: 0.2}", "data.n_prompts=20"], "asks for 3 follow-ups of 2 chat conversations"),
     (["++data.mix={gsm8k: 1.0, sharegpt: 1.0}"], r"Unknown training sources \['sharegpt'\]"),
     (["data.mix={gsm8k: -1.0}"], "data.mix weights must be numbers of at least 0"),
     (["data.mix={}"], "data.mix weights must be numbers of at least 0, not all 0"),
     (["data.mix={mbpp: 1.0}", "data.n_prompts=500"], "mbpp has 464 prompts; the mix asks for 500"),
     (["~data.mix.chat", "data.n_prompts=0"], "data.n_prompts must be a whole number of at least 1"),
     (["data.mix=gsm8k"], "data.mix must map training sources to weights"),
-], ids=["chat_from_random_target", "unknown", "negative", "empty", "too_many", "no_prompts", "not_a_dict"])
+], ids=["chat_from_random_target", "more_followups_than_chats", "unknown", "negative", "empty", "too_many", "no_prompts", "not_a_dict"])
 def test_a_mix_that_would_fail_later_is_refused_before_the_target_loads(tmp_path, no_target, overrides, refusal):
     with pytest.raises(ValueError, match=refusal):
         cli.train(training_config(tmp_path, *overrides))

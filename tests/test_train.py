@@ -17,7 +17,15 @@ from bastion.drafters.dflash import DFlashDrafter, new_dflash_config
 from bastion.drafters.flexdraft import FlexDraftDrafter, load_flexdraft
 from bastion.models.loading import packaged_dir
 from bastion.models.target import load_target
-from bastion.train.data import build_selfdistill, chat_prompts, file_prompts, source_counts, user_turn_prefix
+from bastion.train.data import (
+    OPENERS,
+    build_selfdistill,
+    chat_prompts,
+    file_prompts,
+    followup_prompts,
+    source_counts,
+    user_turn_prefix,
+)
 from bastion.train.dflash import feature_std, soft_cross_entropy, train_dflash, with_feature_noise
 from bastion.train.examples import split_examples, to_examples
 from bastion.train.flexdraft import train_flexdraft
@@ -74,6 +82,7 @@ def test_more_prompts_reuse_the_shards_built_and_changed_shards_are_rebuilt(tiny
 
 def test_source_counts_follow_the_mix_and_bad_sources_are_refused():
     assert source_counts({"gsm8k": 0.4, "math": 0.3, "mbpp": 0.1, "chat": 0.2}, 1440) == {"gsm8k": 576, "math": 432, "mbpp": 144, "chat": 288}
+    assert list(source_counts({"followup": 0.1, "chat": 0.2, "gsm8k": 0.7}, 10)) == ["chat", "gsm8k", "followup"]  # built last
     with pytest.raises(ValueError, match="Unknown training sources"):
         source_counts({"sharegpt": 1}, 10)
     with pytest.raises(ValueError, match="mbpp has 464 prompts"):
@@ -89,10 +98,30 @@ def test_an_untrained_target_writing_no_chat_request_is_refused(tiny, tmp_path):
 def test_chat_requests_are_the_targets_own_and_the_list_grows_in_order(smollm2, tmp_path):
     assert smollm2.tokenizer.decode(user_turn_prefix(smollm2.tokenizer)).endswith("<|im_end|>\n<|im_start|>user\n")
     first = chat_prompts(smollm2, 3, tmp_path, batch_size=8, max_new_tokens=64)
-    assert [pid for pid, _ in first] == ["chat/0", "chat/1", "chat/2"] and len({text for _, text in first}) == 3
-    assert all(len(text.split()) >= 3 and "<|im_" not in text for _, text in first)
+    assert [pid.split("-")[0] for pid, _ in first] == ["chat/0", "chat/1", "chat/2"]
+    texts = [messages[0]["content"] for _, messages in first]
+    assert all(m[0]["role"] == "user" and len(m) == 1 for _, m in first) and len(set(texts)) == 3
+    assert all(len(text.split()) >= 3 and "<|im_" not in text for text in texts)
     assert chat_prompts(smollm2, 3, tmp_path, batch_size=8, max_new_tokens=64) == first  # cached
-    assert chat_prompts(smollm2, 12, tmp_path, batch_size=8, max_new_tokens=64)[:3] == first
+    grown = chat_prompts(smollm2, 12, tmp_path, batch_size=8, max_new_tokens=64)
+    assert grown[:3] == first
+    assert any(m[0]["content"].startswith(o) for _, m in grown for o in OPENERS if o)  # openers widen the requests
+
+
+@pytest.mark.slow
+def test_followups_continue_the_chat_conversations_the_target_answered(smollm2, tmp_path):
+    """A follow-up's prompt is a chat request, the target's own finished answer to it (from the
+    chat data) and the next user message the target writes."""
+    chats = chat_prompts(smollm2, 4, tmp_path / "chat", batch_size=8, max_new_tokens=48)
+    data = build_selfdistill(smollm2, tmp_path / "chat", chats, layers=(0,), max_new_tokens=160, batch_size=4)
+    answers = {row["id"]: smollm2.tokenizer.decode(row["input_ids"][row["answer_start"]:-1]).strip() for row in data
+               if row["input_ids"][-1] in smollm2.eos_ids}
+    followups = followup_prompts(smollm2, 3, tmp_path / "followup", tmp_path / "chat", batch_size=4, max_new_tokens=64)
+    assert [pid.split("-")[0] for pid, _ in followups] == ["followup/0", "followup/1", "followup/2"]
+    requests = {m[0]["content"]: pid for pid, m in chats}
+    for _, (first, answer, then) in followups:
+        assert [first["role"], answer["role"], then["role"]] == ["user", "assistant", "user"]
+        assert answer["content"] == answers[requests[first["content"]]] and len(then["content"].split()) >= 3
 
 
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "autocast"])
@@ -178,7 +207,7 @@ def test_train_py_end_to_end(tmp_path):
     (tmp_path / "models").mkdir()  # cache_dir moves model conversions too: reuse the one the other tests share
     (tmp_path / "models" / "smollm2_135m").symlink_to(packaged_dir("smollm2_135m"))
     args = ["target=tiny_qwen3", "drafter=flexdraft", f"cache_dir={tmp_path}", "data.n_prompts=4", "data.batch_size=2",
-            "data.max_new_tokens=8", "~data.mix.chat", "recipe.tuned_layers=1", "recipe.group_size=4", "recipe.calibration_hidden=8",
+            "data.max_new_tokens=8", "~data.mix.chat", "~data.mix.followup", "recipe.tuned_layers=1", "recipe.group_size=4", "recipe.calibration_hidden=8",
             "recipe.optim.steps=3", "recipe.optim.anchors=4", f"recipe.output_dir={tmp_path / 'out'}", f"hydra.run.dir={tmp_path / 'run'}",
             "data.bfloat16=true", "recipe.optim.autocast=auto"]
     result = subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=600)

@@ -121,7 +121,7 @@ def test_train_py_logs_its_training_to_wandb_offline(tmp_path, monkeypatch):
     (tmp_path / "models").mkdir()  # cache_dir moves model conversions too: reuse the one the other tests share
     (tmp_path / "models" / "smollm2_135m").symlink_to(packaged_dir("smollm2_135m"))
     args = ["target=tiny_qwen3", "drafter=flexdraft", f"cache_dir={tmp_path}", "data.n_prompts=4", "data.batch_size=2",
-            "data.max_new_tokens=8", "~data.mix.chat", "recipe.tuned_layers=1", "recipe.group_size=4",
+            "data.max_new_tokens=8", "~data.mix.chat", "~data.mix.followup", "recipe.tuned_layers=1", "recipe.group_size=4",
             "recipe.calibration_hidden=8", "recipe.optim.steps=4", "recipe.optim.log_every=2", "+recipe.optim.val_every=2",
             "recipe.optim.anchors=4", f"recipe.output_dir={tmp_path / 'out'}", f"hydra.run.dir={tmp_path / 'run'}",
             "logger=wandb"]
