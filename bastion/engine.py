@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from bastion.budget.base import Budget
 from bastion.drafters.base import DraftContext, Drafter
 from bastion.models.kv_cache import KVCache, fill_holes
 from bastion.models.target import Target
@@ -35,6 +36,7 @@ class Step:
     verify_s: float
     other_s: float
     predicted_verify_s: float | None = None  # the budget controller's forecast of verify_s
+    drafted: bool = False  # False: an AR step (the budget or the drafter chose not to draft)
 
 
 @dataclass
@@ -104,7 +106,7 @@ class _Method:
     target: Target
     drafter: Drafter | None
     policy: object
-    budget: object
+    budget: Budget | None
     sampling: Sampling
     seed: int
     keys: torch.Tensor  # [P] the key each prompt is sampled under
@@ -131,7 +133,7 @@ def generate(
     *,
     drafter: Drafter | None = None,
     policy=None,
-    budget=None,
+    budget: Budget | None = None,
     max_new_tokens: int = 128,
     stop_strings: tuple[str, ...] = (),
     sampling: Sampling = GREEDY,
@@ -177,7 +179,7 @@ def generate(
     return decoding
 
 
-def _check_method(drafter: Drafter | None, policy, budget, recorder: Recorder) -> tuple[int, ...]:
+def _check_method(drafter: Drafter | None, policy, budget: Budget | None, recorder: Recorder) -> tuple[int, ...]:
     """Refuse a method that cannot run; return the target layers its forwards capture."""
     if drafter is not None and (policy is None or budget is None):
         raise ValueError("A drafter needs a tree policy and a budget controller.")
@@ -210,6 +212,7 @@ def _step(m: _Method, batch: _Batch) -> Step:
     t2 = now(device)
     if proposal is None:
         hidden, features = m.target.forward(tokens, depths, tree_mask, cache, m.capture)
+        width = 1
     else:  # the drafter's verification forward (FlexDraft drafts inside it when that pays)
         hidden, features, width = m.drafter.verify_forward(m.target, cache, trees, tokens, depths, tree_mask, m.capture, contexts)
     logits = m.target.logits(hidden)  # [B, M, V]
@@ -229,8 +232,8 @@ def _step(m: _Method, batch: _Batch) -> Step:
     t4 = now(device)
     step = Step(rows, [t.n_nodes for t in trees], [len(v.tokens) for v in verdicts], [t.expected_accepted() for t in trees],
                 draft_s=t1 - t0, verify_s=t3 - t2, other_s=(t2 - t1) + (t4 - t3),
-                predicted_verify_s=m.budget.predicted_s if proposal is not None else None)
-    if proposal is not None:  # what ran: the trees, plus the mask groups of parallel drafting
+                predicted_verify_s=m.budget.predicted_s if proposal is not None else None, drafted=proposal is not None)
+    if m.drafter is not None:  # what ran: the trees, plus the mask groups of parallel drafting
         m.budget.observe(step, contexts, width)
         step.other_s += now(device) - t4  # the controller's own refits are part of the step
     return step

@@ -199,8 +199,9 @@ def test_batched_bastion_budget_lossless(tiny_qwen3, policy, tmp_path):
     target, expected = with_eos_mid_output(tiny_qwen3, prompts, 24)
     oracle = OracleDrafter(dict(zip(map(tuple, prompts), expected)), vocab=49152, block_size=6, top_k=4)
     # The oracle's decoys make its beliefs a poor guide; scaled down by measured acceptance
-    # they would size most trees at zero, and this test is about trees of different sizes.
-    budget = on_exact_hardware(BastionBudget(max_nodes=32, calibrate=False, calibrate_acceptance=False))
+    # they would size most trees at zero, and its realised throughput would turn drafting off
+    # for stretches: this test is about trees of different sizes.
+    budget = on_exact_hardware(BastionBudget(max_nodes=32, calibrate=False, calibrate_acceptance=False, drafting_off=False))
     budget.start(target, HardwareProfile("cpu", {"float64": 0.05}, 8.0, 1.0), tmp_path)
     d = generate(target, prompts, drafter=oracle, policy=POLICIES[policy], budget=budget, max_new_tokens=24)
     for prompt, exp, gen in zip(prompts, expected, d.generations):

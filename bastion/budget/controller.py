@@ -11,7 +11,15 @@ online from measured verify times; T_draft and the overhead are running means of
 A_hat is the drafter's own belief, and drafters are overconfident, more so out of domain, by a
 ratio that hardly depends on the tree's size (experiments/NOTES.md).
 So the controller scales A_hat by the running ratio of accepted tokens to A_hat over the steps
-it verified. When even the best tree is predicted slower than AR (S(n) < 1 for every n), the
+it verified. Step costs are medians of the last measured steps: the first drafted step of a
+decode also reads the whole prompt into the drafter, and a mean seeded by it once priced
+drafting at 20 times its cost and turned drafting off for hundreds of steps.
+
+Whether to draft at all answers to realised throughput once there is some: the tokens per
+second this decode's recent drafted steps actually produced, against what its recent AR steps
+took (or the forecast AR step before any ran). Forecasts pick the size; a forecast that
+drafting does not pay stops it only until realised throughput says otherwise, and realised
+throughput below AR's stops it whatever the forecast. While drafting does not pay, the
 following steps are AR steps (budget/stretch.py: 8 at first, doubling while retries fail, and
 long enough that a retry wastes at most 5% of them).
 
@@ -26,25 +34,31 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections import deque
 from pathlib import Path
+from statistics import median
 
 import numpy as np
 
+from bastion.budget.base import Budget
 from bastion.budget.hardware import HardwareProfile
 from bastion.budget.latency import LatencyModel, calibrated
 from bastion.budget.stretch import ARStretch
 from bastion.tree.draft_tree import DraftTree
 
 
-class BastionBudget:
+class BastionBudget(Budget):
     EXPLORE = (0.5, 0.25, 2.0)
+    EVIDENCE = 4  # drafted steps measured before realised throughput decides whether drafting pays
 
     def __init__(self, max_nodes: int = 256, calibrate: bool = True, refit_every: int = 4, smoothing: float = 0.2,
-                 tolerance: float = 0.2, calibrate_acceptance: bool = True, drafting_off: bool = True):
+                 tolerance: float = 0.2, calibrate_acceptance: bool = True, drafting_off: bool = True, window: int = 8):
         if max_nodes < 1:
             raise ValueError(f"budget.max_nodes must be at least 1 (got {max_nodes}).")
         if refit_every < 1:
             raise ValueError(f"budget.refit_every must be at least 1 (got {refit_every}).")
+        if window < 1:
+            raise ValueError(f"budget.window must be at least 1 step (got {window}).")
         self.max_nodes, self.calibrate, self.refit_every, self.smoothing = max_nodes, calibrate, refit_every, smoothing
         self.tolerance = tolerance
         self.calibrate_acceptance, self.drafting_off = calibrate_acceptance, drafting_off
@@ -54,7 +68,10 @@ class BastionBudget:
         self.bias = 0.0  # running mean of log(measured / forecast) verify time
         self._explored = 0  # explorations so far: the factors cycle across episodes
         self.latency: LatencyModel | None = None
-        self.draft_s = self.other_s = 0.0
+        # the last `window` measured steps: drafted (draft and other seconds, tokens per row and
+        # seconds of the whole step) and AR (seconds)
+        self.drafted: deque[tuple[float, float, float, float]] = deque(maxlen=window)
+        self.ar_s: deque[float] = deque(maxlen=window)
         self.predicted_s: float | None = None  # predicted verify time of the last sized step
         self._seen = 0
 
@@ -71,15 +88,34 @@ class BastionBudget:
         """Accepted tokens per unit of A_hat, measured (1 without calibration)."""
         return self.accepted / self.believed if self.calibrate_acceptance else 1.0
 
+    @property
+    def draft_s(self) -> float:
+        return median(d for d, _, _, _ in self.drafted) if self.drafted else 0.0
+
+    @property
+    def other_s(self) -> float:
+        return median(o for _, o, _, _ in self.drafted) if self.drafted else 0.0
+
+    def realised_speedup(self, forecast_ar_s: float) -> float | None:
+        """Tokens per row per second of the recent drafted steps over AR's (an AR step yields
+        one token per row: the recent AR steps' median time, else `forecast_ar_s`); None
+        before EVIDENCE drafted steps."""
+        if len(self.drafted) < self.EVIDENCE:
+            return None
+        tokens = sum(t for _, _, t, _ in self.drafted) / len(self.drafted)
+        ar_s = median(self.ar_s) if self.ar_s else forecast_ar_s
+        return tokens / median(s for _, _, _, s in self.drafted) * ar_s
+
     def drafts(self) -> bool:
         """Draft this step? False inside an AR stretch (see the module docstring)."""
         return not self.stretch.skip()
 
     def size(self, trees: list[DraftTree], contexts: list[int]) -> list[DraftTree]:
         counts, verify, cost, speedup = self.curve(trees, contexts)
-        best = int(np.argmax(speedup))
-        if self.drafting_off and not self.exploring:
-            if speedup[best] < 1:
+        best = 1 + int(np.argmax(speedup[1:])) if len(speedup) > 1 else 0  # the best tree with a draft node
+        realised = self.realised_speedup(float(verify[0]) + self.other_s)
+        if self.drafting_off and (realised is not None or not self.exploring):  # exploring: forecasts are off
+            if (speedup[best] if realised is None else realised) < 1:
                 self.stretch.failed(retry_cost=float(cost[best]))
             else:
                 self.stretch.paid()
@@ -102,15 +138,18 @@ class BastionBudget:
         return counts, verify, cost, speedup
 
     def observe(self, step, contexts: list[int], width: int) -> None:
-        """Fold in a measured step: its draft and other times, its accepted tokens against
-        A_hat, and its verify time at the shape that actually ran (`width` tokens per row after
+        """Fold in a measured step. An AR step: its time. A drafted one: its
+        draft and other times, its accepted tokens against A_hat, its tokens per row and time,
+        and its verify time at the shape that actually ran (`width` tokens per row after
         `contexts` cached ones)."""
-        decay = 1 - self.smoothing / 4  # acceptance is noisier than time: a longer memory
+        step_s = step.draft_s + step.verify_s + step.other_s
+        if not step.drafted:
+            self.ar_s.append(step_s)
+            return
+        decay = 1 - self.smoothing / 4  # acceptance is noisy: a long memory
         self.accepted = decay * self.accepted + sum(step.produced) - len(step.produced)
         self.believed = decay * self.believed + sum(step.expected)
-        s = self.smoothing if self._seen else 1.0
-        self.draft_s += s * (step.draft_s - self.draft_s)
-        self.other_s += s * (step.other_s - self.other_s)
+        self.drafted.append((step.draft_s, step.other_s, sum(step.produced) / len(step.produced), step_s))
         forecast = float(self.latency.predict(np.full((1, len(contexts)), width), np.asarray(contexts)[None, :])[0])
         self.latency.observe_forward([width] * len(contexts), contexts, step.verify_s)
         self._seen += 1
