@@ -68,9 +68,10 @@ class BastionBudget(Budget):
         self.bias = 0.0  # running mean of log(measured / forecast) verify time
         self._explored = 0  # explorations so far: the factors cycle across episodes
         self.latency: LatencyModel | None = None
-        # the last `window` measured steps: drafted (draft and other seconds, tokens per row and
-        # seconds of the whole step) and AR (seconds)
-        self.drafted: deque[tuple[float, float, float, float]] = deque(maxlen=window)
+        # measured steps: drafted (draft and other seconds, tokens per row, seconds of the whole
+        # step), the last 4 windows of them since tokens per step are noisier than times; AR (seconds)
+        self.window = window
+        self.drafted: deque[tuple[float, float, float, float]] = deque(maxlen=4 * window)
         self.ar_s: deque[float] = deque(maxlen=window)
         self.predicted_s: float | None = None  # predicted verify time of the last sized step
         self._seen = 0
@@ -88,13 +89,18 @@ class BastionBudget(Budget):
         """Accepted tokens per unit of A_hat, measured (1 without calibration)."""
         return self.accepted / self.believed if self.calibrate_acceptance else 1.0
 
+    def recent(self, field: int) -> float:
+        """Median of one field of the last `window` drafted steps (0 before any)."""
+        last = list(self.drafted)[-self.window:]
+        return median(step[field] for step in last) if last else 0.0
+
     @property
     def draft_s(self) -> float:
-        return median(d for d, _, _, _ in self.drafted) if self.drafted else 0.0
+        return self.recent(0)
 
     @property
     def other_s(self) -> float:
-        return median(o for _, o, _, _ in self.drafted) if self.drafted else 0.0
+        return self.recent(1)
 
     def realised_speedup(self, forecast_ar_s: float) -> float | None:
         """Tokens per row per second of the recent drafted steps over AR's (an AR step yields
@@ -104,7 +110,7 @@ class BastionBudget(Budget):
             return None
         tokens = sum(t for _, _, t, _ in self.drafted) / len(self.drafted)
         ar_s = median(self.ar_s) if self.ar_s else forecast_ar_s
-        return tokens / median(s for _, _, _, s in self.drafted) * ar_s
+        return tokens / self.recent(3) * ar_s
 
     def drafts(self) -> bool:
         """Draft this step? False inside an AR stretch (see the module docstring)."""
