@@ -171,6 +171,7 @@ def generate(
     keep = _extend_outputs(decoding, active, [[t] for t in first], method.stopper, step=False)
     if drafter is not None:
         drafter.reset(len(prompts), capacity)
+        budget.reset()
     ctx = DraftContext([list(p) + [t] for p, t in zip(rows, first)], features, [len(p) for p in rows], cache)
     batch = _Batch(cache, ctx, _keep_rows(keep, active, cache, drafter, ctx), decoding)
     while batch.active:

@@ -69,6 +69,8 @@ def test_merge_takes_the_best_next_node_of_any_row_keeping_prefixes():
     counts, _ = merge_best_first([a, c])
     assert counts.tolist() == [[0, 0], [1, 0], [1, 1], [2, 1], [3, 1], [3, 2], [3, 3]]
     assert gained[-1] == pytest.approx(a.expected_accepted() + b.expected_accepted())
+    counts, gained = merge_best_first([a])  # one row: its nodes in order
+    assert counts.tolist() == [[0], [1], [2], [3]] and gained == pytest.approx([0, 0.9, 0.9 + 0.81, 0.9 + 0.81 + 0.729])
 
 
 def controller(theta, profile=CPU, args=SMOL) -> BastionBudget:
@@ -137,6 +139,9 @@ def test_drafting_stops_while_no_tree_beats_ar_and_is_retried():
     budget.size([weak], [300])  # the retry fails too: the next stretch is twice as long
     assert budget.stretch.left == 2 * first
     assert [budget.drafts() for _ in range(2 * first)] == [False] * (2 * first - 1) + [True]
+    budget.size([weak], [300])
+    budget.reset()  # a new decode (another prompt) starts outside the stretch, whose next length carries over
+    assert budget.drafts() and budget.stretch.next == 8 * first
     budget.size([strong], [300])  # pays: drafting stays on, and the next stretch is short again
     assert budget.drafts() and budget.stretch.next == 8
 

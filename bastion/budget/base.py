@@ -15,6 +15,9 @@ class Budget:
     def start(self, target, hardware, cache_dir: Path) -> None:
         """Before the first decode: calibrate on this machine (nothing by default)."""
 
+    def reset(self) -> None:
+        """A new decode begins (what was learned of the machine and the drafter carries over)."""
+
     def drafts(self) -> bool:
         """Draft this step, or take a plain AR step?"""
         return True
