@@ -6,7 +6,7 @@ AR is S(n) = (rows + A_hat(n)) / C(n) * L_AR / rows. The controller takes the n 
 With a batch, one budget is spent over all rows: nodes are taken best first across rows (each
 row's nodes in its own order, so every row keeps a prefix-closed tree), and T_verify is the
 latency of the padded batch. T_verify comes from the roofline model in latency.py, refitted
-online from measured verify times; T_draft and the overhead are running means of measured times.
+online from measured verify times; T_draft and the overhead are medians of measured times.
 
 A_hat is the drafter's own belief, and drafters are overconfident, more so out of domain, by a
 ratio that hardly depends on the tree's size (experiments/NOTES.md).
