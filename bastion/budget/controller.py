@@ -125,7 +125,7 @@ class BastionBudget(Budget):
     def size(self, trees: list[DraftTree], contexts: list[int]) -> list[DraftTree]:
         counts, verify, cost, speedup = self.curve(trees, contexts)
         best = 1 + int(np.argmax(speedup[1:])) if len(speedup) > 1 else 0  # the best tree with a draft node
-        realised = self.realised_speedup(float(verify[0]) + self.other_s)
+        realised = self.realised_speedup(float(verify[0]) + self.other_s) if self.drafting_off else None
         if self.drafting_off and (realised is not None or not self.exploring):  # exploring: forecasts are off
             if (speedup[best] if realised is None else realised) < 1:
                 self.stretch.failed(retry_cost=float(cost[best]))
