@@ -160,7 +160,7 @@ def plan_methods(cfg: DictConfig) -> list[MethodPlan]:
         if "_target_" not in node.drafter:
             continue
         prefix = f"{node.drafter.name}+{node.tree.name}"
-        if node.budget.name == "oracle":
+        if node.budget.get("sweep") is not None:  # an evaluation sweep (budget=oracle), not a controller
             oracle = spec.get("name", f"{prefix}+oracle")
             for n in node.budget.sweep:
                 fixed = OmegaConf.merge(OmegaConf.load(CONF_DIR / "budget" / "fixed.yaml"), {"nodes": n})

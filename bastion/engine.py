@@ -199,9 +199,9 @@ def _step(m: _Method, batch: _Batch) -> Step:
     t0 = now(device)
     proposal = None
     if m.drafter is not None:
-        if m.budget.drafts() and m.drafter.drafts(ctx):
+        if m.budget.drafts():
             proposal = m.drafter.propose(ctx)
-        else:  # the budget or the drafter chose an AR step; the drafter still reads the new tokens
+        else:  # the budget chose an AR step; the drafter still reads the new tokens
             m.drafter.absorb(ctx)
     t1 = now(device)
     contexts = list(cache.lengths)
@@ -214,8 +214,10 @@ def _step(m: _Method, batch: _Batch) -> Step:
     if proposal is None:
         hidden, features = m.target.forward(tokens, depths, tree_mask, cache, m.capture)
         width = 1
-    else:  # the drafter's verification forward (FlexDraft drafts inside it when that pays)
-        hidden, features, width = m.drafter.verify_forward(m.target, cache, trees, tokens, depths, tree_mask, m.capture, contexts)
+    else:  # the drafter's verification forward (FlexDraft drafts inside it where the budget says so)
+        inside, apart = m.drafter.parallel_tokens(trees)
+        parallel = inside > 0 and m.budget.parallel(tokens.shape[1], inside, apart, contexts)
+        hidden, features, width = m.drafter.verify_forward(m.target, cache, trees, tokens, depths, tree_mask, m.capture, parallel)
     logits = m.target.logits(hidden)  # [B, M, V]
     t3 = now(device)
     verdicts = _verify(m, batch, logits, trees, depths, draft_probs)

@@ -61,17 +61,8 @@ def test_every_unit_has_a_layer():
     assert units == set(LAYERS), "give every new module or package of bastion/ its layer in LAYERS"
 
 
-# Issue 21 moves flex mode's draft / AR / parallel decision into budget/; until then FlexDraft
-# still holds it, and these are the only imports that break the layering. Any other fails.
-FLEX_DECISION_NOT_MOVED_YET = [
-    "bastion/drafters/flexdraft.py:36 imports bastion.budget.hardware (budget is not below drafters)",
-    "bastion/drafters/flexdraft.py:37 imports bastion.budget.latency (budget is not below drafters)",
-    "bastion/drafters/flexdraft.py:38 imports bastion.budget.stretch (budget is not below drafters)",
-]
-
-
 def test_no_import_runs_up_a_layer():
-    assert upward_imports(ROOT / "bastion") == FLEX_DECISION_NOT_MOVED_YET
+    assert upward_imports(ROOT / "bastion") == []
 
 
 def test_the_check_sees_an_upward_import(tmp_path):

@@ -140,13 +140,11 @@ def test_smollm2_lossless(smollm2_packed, smol_case):
 @pytest.mark.parametrize("kind", configured("drafter"))
 def test_smollm2_lossless_with_every_configured_drafter(smollm2_packed, smol_case, kind):
     """Every conf/drafter/*.yaml as run.py builds it for SmolLM2 (the trained ones are the
-    drafters committed under checkpoints/, what the demo uses), in its always-drafting mode."""
+    drafters committed under checkpoints/, what the demo uses)."""
     from tests.test_errors import composed
 
     prompts, expected, max_new = smol_case
     cfg = composed("target=smollm2_135m", f"drafter={kind}")
-    if "mode" in cfg.drafter:
-        cfg.drafter.mode = "sequential"
     drafter = prepack_linears(build(cfg.drafter, target=smollm2_packed))
     for policy, budget in [("chain", 8), ("best_first", 1), ("best_first", 8), ("best_first", 64)]:
         check(smollm2_packed, prompts, expected, drafter, policy, budget, max_new, f"smollm2 {kind}")

@@ -124,12 +124,12 @@ SAMPLINGS = [Sampling(1.0), Sampling(0.7, top_k=6, top_p=0.9)]
 def methods(table, target):
     drafter = TableDrafter(table)
     torch.manual_seed(0)
-    flex = FlexDraftDrafter(target, tuned_layers=1, group_size=4, calibration_hidden=8, mode="parallel", threshold=0.0, top_k=4)
+    flex = FlexDraftDrafter(target, tuned_layers=1, group_size=4, calibration_hidden=8, threshold=0.0, top_k=4)
     return {
         "chain": dict(drafter=drafter, policy=chain, budget=FixedBudget(3)),
         "best_first": dict(drafter=drafter, policy=best_first, budget=FixedBudget(6)),
         "static": dict(drafter=drafter, policy=partial(static, shape="eagle1_25"), budget=FixedBudget(8)),
-        "flexdraft-parallel": dict(drafter=flex.to(target.dtype).eval(), policy=best_first, budget=FixedBudget(4)),
+        "flexdraft-parallel": dict(drafter=flex.to(target.dtype).eval(), policy=best_first, budget=FixedBudget(4, mode="parallel")),
     }
 
 

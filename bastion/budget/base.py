@@ -1,32 +1,101 @@
-"""What every budget controller answers each step, with the defaults of a budget that
-drafts every step and keeps every tree the policy built."""
+"""What every budget controller answers each step, with the defaults of a fixed budget: keep
+every tree the policy built.
+
+Two decisions are shared by every budget and made here, so that one place decides whether a
+step drafts and how:
+- drafting off (`drafting_off`): while the measured drafted steps of this decode produce fewer
+  tokens per second than its AR steps (recent.py), the next steps are AR steps (stretch.py:
+  8 at first, doubling while retries fail);
+- where a drafter that can also draft inside the verification forward (FlexDraft) drafts
+  (`mode`): after it (sequential), inside it (parallel), or each step whichever the latency
+  model predicts faster for the step's shapes (flex: the FlexDraft paper's flex decoding).
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+
+from bastion.budget.latency import LatencyModel, calibrated
+from bastion.budget.recent import RecentSteps
+from bastion.budget.stretch import ARStretch
 from bastion.tree.draft_tree import DraftTree
+
+MODES = ("sequential", "parallel", "flex")
 
 
 class Budget:
     max_nodes: int = 256  # the most draft nodes a row's tree may have (the policy builds up to this)
     predicted_s: float | None = None  # the forecast verify time of the last sized step, where one is made
 
+    def __init__(self, mode: str = "sequential", drafting_off: bool = False, window: int = 8):
+        if mode not in MODES:
+            raise ValueError(f"budget.mode must be one of {', '.join(MODES)} (got {mode}).")
+        self.mode, self.drafting_off = mode, drafting_off
+        self.stretch = ARStretch()
+        self.recent = RecentSteps(window)
+        self.latency: LatencyModel | None = None
+
     def start(self, target, hardware, cache_dir: Path) -> None:
-        """Before the first decode: calibrate on this machine (nothing by default)."""
+        """Before the first decode: calibrate the latency model on this machine where a
+        decision needs it (flex mode; drafting off, for an AR step's time before one ran)."""
+        if self.latency is None and (self.mode == "flex" or self.drafting_off):
+            self.latency = calibrated(target, hardware, cache_dir)
 
     def reset(self) -> None:
-        """A new decode begins (what was learned of the machine and the drafter carries over)."""
+        """A new decode begins: no AR stretch carries over into other prompts (the next
+        stretch's length does, like what was learned of the machine and the drafter)."""
+        self.stretch.left = 0
+        self.recent.reset()
 
     def drafts(self) -> bool:
-        """Draft this step, or take a plain AR step?"""
-        return True
+        """Draft this step? False inside an AR stretch."""
+        return not self.stretch.skip()
 
     def size(self, trees: list[DraftTree], contexts: list[int]) -> list[DraftTree]:
         """The trees to verify: the policy's `trees`, cut to this step's budget (`contexts`:
         each row's cached tokens)."""
+        if self.drafting_off:
+            ar_s = self.recent.ar_step_s(float(self.predict(1, contexts)))
+            self.judge(None, self.recent.step_s / ar_s, ar_s)
         return trees
 
+    def judge(self, forecast: float | None, retry_cost: float, forecast_ar_s: float) -> None:
+        """With drafting off on: start an AR stretch when drafting does not pay, by realised
+        throughput once measured, else (not while retrying: a retry is measured) by the
+        `forecast` speedup (None: no judgement); a retry will cost `retry_cost` AR steps."""
+        if not self.drafting_off:
+            return
+        realised = self.recent.speedup(forecast_ar_s)
+        pays = forecast if realised is None and not self.recent.retrying else realised
+        if pays is None:
+            return
+        if pays < 1:
+            self.stretch.failed(retry_cost=retry_cost)
+            self.recent.restart()
+        else:
+            self.stretch.paid()
+
+    def parallel(self, width: int, inside: int, apart: int, contexts: list[int]) -> bool:
+        """Draft inside this step's verification forward (one forward of width + inside tokens
+        per row) rather than after it (forwards of width and of apart tokens)?"""
+        if self.mode != "flex":
+            return self.mode == "parallel"
+        return float(self.predict(width + inside, contexts)) < float(self.predict(width, contexts) + self.predict(apart, contexts))
+
+    def predict(self, tokens, contexts: list[int]) -> np.ndarray:
+        """The latency model's forecast of a forward of `tokens` (one count, or several
+        [n]) per row after `contexts` cached tokens: seconds [n] (or one)."""
+        if self.latency is None:
+            raise ValueError(f"budget.mode={self.mode} and drafting_off={self.drafting_off} need a latency model: "
+                             "build the budget through run.py (budget.start calibrates one).")
+        ctx = np.asarray(contexts)[None, :]
+        counts = np.atleast_1d(tokens)[:, None].repeat(ctx.shape[1], 1)
+        seconds = self.latency.predict(counts, ctx.repeat(len(counts), 0))
+        return seconds if np.ndim(tokens) else seconds[0]
+
     def observe(self, step, contexts: list[int], width: int) -> None:
-        """A measured step (engine.Step, drafted or AR) that ran `width` tokens
-        per row after `contexts` cached ones."""
+        """A measured step (engine.Step, drafted or AR) that ran `width` tokens per row after
+        `contexts` cached ones."""
+        self.recent.observe(step)

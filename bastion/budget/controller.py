@@ -11,17 +11,12 @@ online from measured verify times; T_draft and the overhead are medians of measu
 A_hat is the drafter's own belief, and drafters are overconfident, more so out of domain, by a
 ratio that hardly depends on the tree's size (experiments/NOTES.md).
 So the controller scales A_hat by the running ratio of accepted tokens to A_hat over the steps
-it verified. Step costs are medians of the last measured steps, and a decode's first drafted
-step is left out: it also reads the whole prompt into the drafter, and a mean seeded by it once
-priced drafting at 20 times its cost and turned drafting off for hundreds of steps.
+it verified. Draft and other step costs are medians of recent drafted steps (recent.py).
 
-Whether to draft at all answers to realised throughput once there is some: the tokens per
-second this decode's recent drafted steps actually produced, against what its recent AR steps
-took (or the forecast AR step before any ran). Forecasts pick the size; a forecast that
-drafting does not pay stops it only until realised throughput says otherwise, and realised
-throughput below AR's stops it whatever the forecast. While drafting does not pay, the
-following steps are AR steps (budget/stretch.py: 8 at first, doubling while retries fail, and
-long enough that a retry wastes at most 5% of them).
+Whether to draft at all answers to realised throughput once there is some (base.py): the
+tokens per second this decode's recent drafted steps actually produced, against its AR steps'.
+Forecasts pick the size; a forecast that drafting does not pay stops it only until realised
+throughput says otherwise, and realised throughput below AR's stops it whatever the forecast.
 
 A model that is wrong (a wrong hardware profile, another process on the machine) only ever
 sees the sizes it chooses, which cannot tell compute from memory costs apart. So while its
@@ -34,48 +29,34 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections import deque
 from pathlib import Path
-from statistics import median
 
 import numpy as np
 
 from bastion.budget.base import Budget
 from bastion.budget.hardware import HardwareProfile
 from bastion.budget.latency import LatencyModel, calibrated
-from bastion.budget.stretch import ARStretch
 from bastion.tree.draft_tree import DraftTree
 
 
 class BastionBudget(Budget):
     EXPLORE = (0.5, 0.25, 2.0)
-    EVIDENCE = 4  # drafted steps measured before realised throughput decides whether drafting pays
 
     def __init__(self, max_nodes: int = 256, calibrate: bool = True, refit_every: int = 16, smoothing: float = 0.2,
-                 tolerance: float = 0.2, calibrate_acceptance: bool = True, drafting_off: bool = True, window: int = 8):
+                 tolerance: float = 0.2, calibrate_acceptance: bool = True, drafting_off: bool = True, window: int = 8,
+                 mode: str = "flex"):
         if max_nodes < 1:
             raise ValueError(f"budget.max_nodes must be at least 1 (got {max_nodes}).")
         if refit_every < 1:
             raise ValueError(f"budget.refit_every must be at least 1 (got {refit_every}).")
-        if window < 1:
-            raise ValueError(f"budget.window must be at least 1 step (got {window}).")
+        super().__init__(mode, drafting_off, window)
         self.max_nodes, self.calibrate, self.refit_every, self.smoothing = max_nodes, calibrate, refit_every, smoothing
-        self.tolerance = tolerance
-        self.calibrate_acceptance, self.drafting_off = calibrate_acceptance, drafting_off
+        self.tolerance, self.calibrate_acceptance = tolerance, calibrate_acceptance
         self.accepted, self.believed = 2.0, 2.0  # decayed sums of accepted tokens and A_hat (a prior of ratio 1)
-        self.stretch = ARStretch()
         self.exploring = False  # while forecasts are biased
         self.bias = 0.0  # running mean of log(measured / forecast) verify time
         self._explored = 0  # explorations so far: the factors cycle across episodes
-        self.latency: LatencyModel | None = None
-        # measured steps: drafted (draft and other seconds, tokens per row, seconds of the whole
-        # step), the last 4 windows of them since tokens per step are noisier than times; AR (seconds)
-        self.window = window
-        self.drafted: deque[tuple[float, float, float, float]] = deque(maxlen=4 * window)
-        self.ar_s: deque[float] = deque(maxlen=window)
-        self.predicted_s: float | None = None  # predicted verify time of the last sized step
         self._seen = 0
-        self._first = False  # the next drafted step is a decode's first
 
     def start(self, target, hardware: HardwareProfile, cache_dir: Path) -> None:
         """Build the latency model: probe-calibrated (cached), or the profile's prior alone."""
@@ -90,47 +71,11 @@ class BastionBudget(Budget):
         """Accepted tokens per unit of A_hat, measured (1 without calibration)."""
         return self.accepted / self.believed if self.calibrate_acceptance else 1.0
 
-    def recent(self, field: int) -> float:
-        """Median of one field of the last `window` drafted steps (0 before any)."""
-        last = list(self.drafted)[-self.window:]
-        return median(step[field] for step in last) if last else 0.0
-
-    @property
-    def draft_s(self) -> float:
-        return self.recent(0)
-
-    @property
-    def other_s(self) -> float:
-        return self.recent(1)
-
-    def realised_speedup(self, forecast_ar_s: float) -> float | None:
-        """Tokens per row per second of the recent drafted steps over AR's (an AR step yields
-        one token per row: the recent AR steps' median time, else `forecast_ar_s`); None
-        before EVIDENCE drafted steps."""
-        if len(self.drafted) < self.EVIDENCE:
-            return None
-        tokens = sum(t for _, _, t, _ in self.drafted) / len(self.drafted)
-        ar_s = median(self.ar_s) if self.ar_s else forecast_ar_s
-        return tokens / self.recent(3) * ar_s
-
-    def reset(self) -> None:
-        """A new decode: no AR stretch carries over into other prompts (the next stretch's
-        length does), and its first drafted step is not priced (it reads the prompt)."""
-        self.stretch.left, self._first = 0, True
-
-    def drafts(self) -> bool:
-        """Draft this step? False inside an AR stretch (see the module docstring)."""
-        return not self.stretch.skip()
-
     def size(self, trees: list[DraftTree], contexts: list[int]) -> list[DraftTree]:
         counts, verify, cost, speedup = self.curve(trees, contexts)
         best = 1 + int(np.argmax(speedup[1:])) if len(speedup) > 1 else 0  # the best tree with a draft node
-        realised = self.realised_speedup(float(verify[0]) + self.other_s) if self.drafting_off else None
-        if self.drafting_off and (realised is not None or not self.exploring):  # exploring: forecasts are off
-            if (speedup[best] if realised is None else realised) < 1:
-                self.stretch.failed(retry_cost=float(cost[best]))
-            else:
-                self.stretch.paid()
+        # while exploring, forecasts are off: only realised throughput judges
+        self.judge(None if self.exploring else float(speedup[best]), float(cost[best]), float(verify[0]) + self.recent.other_s)
         if self.exploring:
             factor = self.EXPLORE[self._explored % len(self.EXPLORE)]
             self._explored += 1
@@ -145,26 +90,23 @@ class BastionBudget(Budget):
         new_tokens = 1 + counts.max(axis=1, keepdims=True).repeat(len(trees), axis=1)  # the padded batch
         ctx = np.asarray(contexts)[None, :].repeat(len(counts), 0)
         verify = self.latency.predict(new_tokens, ctx)
-        cost = (self.draft_s + verify + self.other_s) / (verify[0] + self.other_s)  # n = 0 is an AR step
+        draft_s, other_s = self.recent.draft_s, self.recent.other_s
+        cost = (draft_s + verify + other_s) / (verify[0] + other_s)  # n = 0 is an AR step
         speedup = (1 + self.acceptance_ratio * gained / len(trees)) / cost
         return counts, verify, cost, speedup
 
     def observe(self, step, contexts: list[int], width: int) -> None:
-        """Fold in a measured step. An AR step: its time. A drafted one: its
-        draft and other times, its accepted tokens against A_hat, its tokens per row and time,
-        and its verify time at the shape that actually ran (`width` tokens per row after
-        `contexts` cached ones)."""
-        step_s = step.draft_s + step.verify_s + step.other_s
+        """Fold in a measured step. An AR step: its time. A drafted one: its draft and other
+        times, its accepted tokens against A_hat, its tokens per row and time, and its verify
+        time at the shape that actually ran (`width` tokens per row after `contexts` cached
+        ones)."""
+        super().observe(step, contexts, width)
         if not step.drafted:
-            self.ar_s.append(step_s)
             return
         decay = 1 - self.smoothing / 4  # acceptance is noisy: a long memory
         self.accepted = decay * self.accepted + sum(step.produced) - len(step.produced)
         self.believed = decay * self.believed + sum(step.expected)
-        if not self._first:
-            self.drafted.append((step.draft_s, step.other_s, sum(step.produced) / len(step.produced), step_s))
-        self._first = False
-        forecast = float(self.latency.predict(np.full((1, len(contexts)), width), np.asarray(contexts)[None, :])[0])
+        forecast = float(self.predict(width, contexts))
         self.latency.observe_forward([width] * len(contexts), contexts, step.verify_s)
         self._seen += 1
         self.bias += 0.3 * (math.log(step.verify_s / forecast) - self.bias)

@@ -1,4 +1,4 @@
-"""Turning drafting off while it does not pay, shared by BASTION's controller and flex mode.
+"""Turning drafting off while it does not pay (every budget's `drafting_off`, base.py).
 
 A drafter that loses to AR on some prompts (out of domain, or a machine whose multi-token
 forwards are expensive) should cost almost nothing there. After a step that says drafting

@@ -33,10 +33,6 @@ class Drafter:
     def keep_rows(self, rows: list[int]) -> None:
         """Finished rows leave the batch; keep `rows`, in that order."""
 
-    def drafts(self, ctx: DraftContext) -> bool:
-        """Draft this step? (False: the drafter itself judges that drafting does not pay now.)"""
-        return True
-
     def propose(self, ctx: DraftContext) -> BlockProposal:
         """Draft the next block for every row."""
         raise NotImplementedError
@@ -49,11 +45,17 @@ class Drafter:
         """Cache slots a verification forward may use beyond the tree's (drafting inside it)."""
         return 0
 
+    def parallel_tokens(self, trees: list[DraftTree]) -> tuple[int, int]:
+        """Tokens per row that drafting inside this step's verification forward would add, and
+        that a draft forward after it runs; (0, 0): this drafter drafts only after it."""
+        return 0, 0
+
     def verify_forward(self, target, cache, trees: list[DraftTree], tokens: torch.Tensor, depths: torch.Tensor,
-                       tree_mask: torch.Tensor, capture: tuple[int, ...], contexts: list[int]):
+                       tree_mask: torch.Tensor, capture: tuple[int, ...], parallel: bool = False):
         """The forward that verifies this step's trees (tokens, depths [B, M], tree_mask
-        [B, M, M] after `contexts` cached tokens per row): the target's own, by default.
-        Returns hidden states [B, M, h], the `capture` features and the tokens per row it ran."""
+        [B, M, M]), drafting inside it too where `parallel` (the budget's choice, asked only of
+        a drafter with parallel_tokens): the target's own, by default. Returns hidden states
+        [B, M, h], the `capture` features and the tokens per row it ran."""
         hidden, features = target.forward(tokens, depths, tree_mask, cache, capture)
         return hidden, features, tokens.shape[1]
 

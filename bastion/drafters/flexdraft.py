@@ -14,12 +14,11 @@ step, the top-1 drafts with and without it are both scored against the tokens th
 produced (an unbiased race on the same positions, free: both logits exist), and the drafts
 come from whichever has won more steps in this decode.
 
-Decoding modes (`mode`): *sequential* drafts one group after each verification (one extra,
-small forward); *parallel* rides along the verification forward, with one group per tree node
-(every possible accepted path), keeping only groups whose draft confidence passes *selective
-verification*; *flex* picks, every step, the mode the latency model predicts to be faster for
-the current batch, and drafts not at all (plain AR stretches, each closed by a retry) while the
-measured tokens per step cannot pay for either, so a batch too large to gain never loses much.
+Drafting runs after each verification (one extra, small forward: sequential) or rides along
+the verification forward (parallel), with one group per tree node (every possible accepted
+path), keeping only groups whose draft confidence passes *selective verification*. Which one a
+step runs, and whether it drafts at all, is the budget's decision (budget/base.py: `mode`,
+`drafting_off`; flex decoding is `budget.mode=flex`).
 """
 
 from __future__ import annotations
@@ -28,30 +27,24 @@ import copy
 import math
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bastion.budget.hardware import measure
-from bastion.budget.latency import calibrated
-from bastion.budget.stretch import ARStretch
 from bastion.drafters.base import DraftContext, Drafter
 from bastion.drafters.checkpoint import read_checkpoint, save_checkpoint
 from bastion.models.kv_cache import KVCache
-from bastion.models.loading import CACHE_DIR
 from bastion.models.target import Target
 from bastion.tree.draft_tree import DraftTree
 from bastion.tree.proposal import BlockProposal, matched_prefix
 
-MODES = ("sequential", "parallel", "flex")
 CALIBRATION = ("on", "off", "auto")
 SELECTIONS = ("min_confidence", "cumulative_product")
 
 
 class FlexDraftDrafter(nn.Module, Drafter):
     def __init__(self, target: Target, tuned_layers: int = 4, group_size: int = 8, calibration_hidden: int = 256,
-                 mode: str = "sequential", selection: str = "min_confidence", threshold: float = 0.1, top_k: int = 8,
+                 selection: str = "min_confidence", threshold: float = 0.1, top_k: int = 8,
                  mask_token_id: int | None = None):
         super().__init__()
         args = target.args
@@ -59,12 +52,12 @@ class FlexDraftDrafter(nn.Module, Drafter):
             raise ValueError(f"drafter.tuned_layers must be in 1..{args.n_layers} for {target.name} (got {tuned_layers}).")
         if group_size < 2:
             raise ValueError(f"drafter.group_size must be at least 2 (the bonus slot plus one draft; got {group_size}).")
-        if mode not in MODES or selection not in SELECTIONS:
-            raise ValueError(f"drafter.mode must be one of {MODES} and drafter.selection one of {SELECTIONS}.")
+        if selection not in SELECTIONS:
+            raise ValueError(f"drafter.selection must be one of {', '.join(SELECTIONS)} (got {selection}).")
         self.target = target  # a plain dataclass: frozen weights, not registered here
         self.first_tuned = args.n_layers - tuned_layers
         self.group_size, self.top_k = group_size, top_k
-        self.mode, self.selection, self.threshold = mode, selection, threshold
+        self.selection, self.threshold = selection, threshold
         self.calibration_mode = "on"  # the MLP: on | off | auto (while it wins; see the module docstring)
         self._race: tuple[torch.Tensor, torch.Tensor] | None = None  # auto: top-1 drafts [B, K] without / with the MLP at the last draft
         self.mlp_wins = [0, 1]  # auto: steps won without / with the MLP in this decode (a prior of one win for the MLP)
@@ -79,13 +72,9 @@ class FlexDraftDrafter(nn.Module, Drafter):
         self.config = {"architectures": ["FlexDraftDrafter"], "target": target.name, "num_target_layers": args.n_layers,
                        "hidden_size": args.hidden_size, "vocab_size": args.vocab_size, "tuned_layers": tuned_layers,
                        "group_size": group_size, "calibration_hidden": calibration_hidden}
-        self.latency = None  # flex mode's latency model (load_flexdraft calibrates it on this machine)
         self._pending: dict[int, torch.Tensor] = {}  # row -> hidden of the group drafted for its accepted node
         self._groups = None  # (kept nodes, their groups' hidden states) of a parallel verification
-        self.tokens_per_step = 2.0  # flex mode: running mean of tokens a drafted step produced per row
-        self._measured = False  # flex mode: tokens_per_step is still the prior (the first measurement replaces it)
-        self._lengths: list[int] | None = None  # rows' sequence lengths when the last draft was made (until _learn reads it)
-        self.stretch = ARStretch()  # flex mode: AR steps while drafting does not pay
+        self._lengths: list[int] | None = None  # auto: rows' sequence lengths when the raced drafts were made
 
     # ---- the forward shared by drafting, parallel verification and training -------------------
     def run_layers(self, x, positions, mask, is_mask, extend_kv):
@@ -126,8 +115,7 @@ class FlexDraftDrafter(nn.Module, Drafter):
 
     # ---- decoding -------------------------------------------------------------------------------
     def reset(self, batch_size: int, capacity: int) -> None:
-        # what flex mode has learned of this drafter (tokens_per_step, the next stretch) carries over
-        self._pending, self._lengths, self._race, self.stretch.left = {}, None, None, 0
+        self._pending, self._lengths, self._race = {}, None, None
         self.mlp_wins = [0, 1]
 
     def keep_rows(self, rows: list[int]) -> None:
@@ -138,76 +126,35 @@ class FlexDraftDrafter(nn.Module, Drafter):
             self._race = tuple(drafts[rows] for drafts in self._race)
 
     def absorb(self, ctx: DraftContext) -> None:
-        """An AR step (chosen by the budget or by flex mode): groups drafted for this step are
-        stale by the next."""
-        self._learn(ctx)
+        """An AR step (the budget's choice): groups drafted for this step are stale by the next."""
+        self._score_race(ctx)
         self._pending = {}
 
-    def _learn(self, ctx: DraftContext) -> None:
-        """Read what the last drafted step produced per row (its accepted drafts + bonus), once:
-        flex mode folds the count into tokens_per_step; calibration=auto scores the race of the
-        top-1 drafts without and with the MLP (the one that matches further wins; ties teach
-        nothing)."""
-        if self._lengths is None:
+    def _score_race(self, ctx: DraftContext) -> None:
+        """calibration=auto: score the last drafted step's race of top-1 drafts without and
+        with the MLP against what the target produced (accepted drafts + bonus); the one that
+        matches further wins, ties teach nothing."""
+        if self._race is None:
             return
-        produced = [seq[n:] for seq, n in zip(ctx.sequences, self._lengths)]
-        self.tokens_per_step += (0.3 if self._measured else 1.0) * (np.mean([len(p) for p in produced]) - self.tokens_per_step)
-        self._measured = True
-        if self._race is not None:
-            for b, truth in enumerate(produced):
-                truth = torch.tensor(truth, device=self._race[0].device)
-                plain, with_mlp = (matched_prefix(drafts[b], truth) for drafts in self._race)
-                if plain != with_mlp:
-                    self.mlp_wins[with_mlp > plain] += 1
+        for b, (seq, n) in enumerate(zip(ctx.sequences, self._lengths)):
+            truth = torch.tensor(seq[n:], device=self._race[0].device)
+            plain, with_mlp = (matched_prefix(drafts[b], truth) for drafts in self._race)
+            if plain != with_mlp:
+                self.mlp_wins[with_mlp > plain] += 1
         self._lengths = self._race = None
-
-    def drafts(self, ctx: DraftContext) -> bool:
-        """Flex mode: do the measured tokens per step beat AR at this batch in either mode?
-        When not, AR steps follow (budget/stretch.py) until drafting is tried and measured again.
-        The other modes always draft."""
-        self._learn(ctx)
-        if self.mode != "flex":
-            return True
-        if self.latency is None:
-            raise ValueError("FlexDraft's flex mode needs a latency model: load it with load_flexdraft (drafter=flexdraft).")
-        retry = self.stretch.left > 0
-        if self.stretch.skip():
-            return False
-        if not retry:  # (a retry drafts regardless: tokens_per_step needs a fresh measurement)
-            cost = self._drafted_step_cost(ctx)
-            if self.tokens_per_step < cost:
-                self.stretch.failed(retry_cost=cost)
-                return False
-            self.stretch.paid()
-        return True
-
-    def _drafted_step_cost(self, ctx: DraftContext) -> float:
-        """A drafted step's predicted time in AR steps, in the cheaper mode at this batch."""
-        ctx_len = np.asarray(ctx.cache.lengths)[None, :]
-        rows = np.ones_like(ctx_len)
-        step = lambda n: float(self.latency.predict(rows * n, ctx_len)[0])  # noqa: E731
-        G = self.group_size  # a drafted tree is a chain of G - 1 drafts under its root: G tokens, like a group
-        return min(2 * step(G), step(3 * G)) / step(1)  # sequential (tree, then a group), or parallel with ~2 groups kept
 
     def extra_tokens(self, max_nodes: int) -> int:
         """Cache slots a forward may need beyond the tree: the mask groups."""
         return (max_nodes + 1) * self.group_size
 
-    def parallel(self, trees: list[DraftTree], contexts: list[int]) -> bool:
-        """Draft inside this step's verification forward? Flex mode asks the latency model
-        whether one forward of tree + kept groups beats a tree forward plus a group forward."""
-        if self.mode != "flex":
-            return self.mode == "parallel"
-        width = max(len(t.tokens) for t in trees)
-        groups = max(len(self.selected_nodes(t)) for t in trees)
-        ctx = np.asarray(contexts)[None, :]
-        rows = np.ones_like(ctx)
-        together = self.latency.predict(rows * (width + groups * self.group_size), ctx)[0]
-        apart = self.latency.predict(rows * width, ctx)[0] + self.latency.predict(rows * self.group_size, ctx)[0]
-        return together < apart
+    def parallel_tokens(self, trees: list[DraftTree]) -> tuple[int, int]:
+        """Drafting inside the verification forward adds the kept nodes' groups; after it, a
+        forward of one group."""
+        return max(len(self.selected_nodes(t)) for t in trees) * self.group_size, self.group_size
 
     @torch.inference_mode()
     def propose(self, ctx: DraftContext) -> BlockProposal:
+        self._score_race(ctx)
         roots = [seq[-1] for seq in ctx.sequences]
         B = len(roots)
         hidden = [self._pending.get(b) for b in range(B)]
@@ -219,9 +166,8 @@ class FlexDraftDrafter(nn.Module, Drafter):
         self._pending = {}
         device = self.mask_embedding.device
         plain, calibrated = self.draft_logits(torch.stack(hidden), torch.tensor(roots, device=device))
-        self._lengths = [len(s) for s in ctx.sequences]
         if self.calibration_mode == "auto":
-            self._race = (plain.argmax(-1), calibrated.argmax(-1))
+            self._lengths, self._race = [len(s) for s in ctx.sequences], (plain.argmax(-1), calibrated.argmax(-1))
         logits = (calibrated if self.uses_mlp() else plain).float()
         logprobs = torch.log_softmax(logits, -1)
         top = logprobs.topk(self.top_k, dim=-1)
@@ -238,12 +184,13 @@ class FlexDraftDrafter(nn.Module, Drafter):
         hidden = self.run_layers(x, write_pos, mask, is_mask, lambda i: _writer(cache, i, write_pos, mask))
         return [hidden[b] for b in rows]
 
-    def verify_forward(self, target, cache: KVCache, trees: list[DraftTree], tokens, depths, tree_mask, capture, contexts):
-        """Draft inside the verification forward when `parallel` says it pays this step, else
+    def verify_forward(self, target, cache: KVCache, trees: list[DraftTree], tokens, depths, tree_mask, capture,
+                       parallel: bool = False):
+        """Draft inside the verification forward when the budget says so (`parallel`), else
         verify with the target's own forward (and draft after it, in propose)."""
         self._groups = None
-        if not self.parallel(trees, contexts):
-            return super().verify_forward(target, cache, trees, tokens, depths, tree_mask, capture, contexts)
+        if not parallel:
+            return super().verify_forward(target, cache, trees, tokens, depths, tree_mask, capture)
         hidden, width = self.verify_and_draft(cache, trees, tokens, depths, tree_mask)
         return hidden, None, width
 
@@ -311,8 +258,8 @@ def _writer(cache: KVCache, layer: int, write_pos, mask):
     return lambda k, v: cache.write(layer, k, v, write_pos, mask.shape[-1])
 
 
-def load_flexdraft(target: Target, checkpoint: str | None, mode: str = "sequential", selection: str = "min_confidence",
-                   threshold: float = 0.1, top_k: int = 8, calibration: bool | str = True, cache_dir: str | None = None) -> FlexDraftDrafter:
+def load_flexdraft(target: Target, checkpoint: str | None, selection: str = "min_confidence", threshold: float = 0.1,
+                   top_k: int = 8, calibration: bool | str = True) -> FlexDraftDrafter:
     config, state = read_checkpoint(checkpoint, "flexdraft", target.name)
     a = target.args
     if (config["num_target_layers"], config["hidden_size"], config["vocab_size"]) != (a.n_layers, a.hidden_size, a.vocab_size):
@@ -321,11 +268,9 @@ def load_flexdraft(target: Target, checkpoint: str | None, mode: str = "sequenti
             f"{config['hidden_size']}, vocab {config['vocab_size']}); target {target.name} has {a.n_layers}, {a.hidden_size}, {a.vocab_size}."
         )
     drafter = FlexDraftDrafter(target, config["tuned_layers"], config["group_size"], config["calibration_hidden"],
-                               mode, selection, threshold, top_k)
+                               selection, threshold, top_k)
     drafter.load_state_dict(state)
     drafter.calibration_mode = {True: "on", False: "off"}.get(calibration, calibration)
     if drafter.calibration_mode not in CALIBRATION:
         raise ValueError(f"drafter.calibration must be true, false or auto (got {calibration}).")
-    if mode == "flex":  # the switch between modes comes from this machine's measured latency
-        drafter.latency = calibrated(target, measure(str(target.device)), Path(cache_dir or CACHE_DIR))
     return drafter.to(device=target.device, dtype=target.dtype).eval()

@@ -1,0 +1,105 @@
+"""Where BASTION's tree size goes wrong: its forecast against counterfactual truth, per size.
+
+    python experiments/sizing_counterfactual.py bench=gsm8k bench.limit=6 decode.max_new_tokens=96
+
+Decodes each prompt (batch 1, T=0) with the configured drafter, best-first trees and the
+BASTION budget, keeping every drafted step's full tree and the controller's forecast curve.
+Greedy decoding is lossless, so the output is AR's, and it says for every step and every size
+n how many tokens verifying the tree's first n nodes would have given. Printed per n: tokens
+per step as forecast (1 + r A_hat(n)) and as they would have been, verify time as forecast and
+as measured here (target forwards of n + 1 tokens), the speedups both imply, and how often the
+controller chose n.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import torch
+from hydra import compose, initialize_config_dir
+
+from bastion.bench.datasets import chat_tokens, load_prompts
+from bastion.budget.latency import probe_times
+from bastion.compose import build, build_target, hardware, packed, resolve_device
+from bastion.engine import generate
+from bastion.tree.draft_tree import DraftTree
+
+ROOT = Path(__file__).resolve().parents[1]
+SIZES = (0, 1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32)
+
+
+def accepted_path(tree: DraftTree, truth: list[int]) -> list[int]:
+    """The tree's nodes that match `truth` (the target's tokens after the root), root excluded."""
+    path, node = [], 0
+    for token in truth:
+        node = next((c for c in tree.children[node] if tree.tokens[c] == token), None)
+        if node is None:
+            break
+        path.append(node)
+    return path
+
+
+def main(argv: list[str]) -> None:
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=["tree=best_first", "budget=bastion", "bench.limit=6", "decode.max_new_tokens=96", *argv])
+    cfg.device = resolve_device(cfg.device)
+    torch.set_num_threads(cfg.threads or torch.get_num_threads())
+    target = build_target(cfg)
+    drafter, policy, budget = packed(cfg, build(cfg.drafter, target=target)), build(cfg.tree), build(cfg.budget)
+    budget.start(target, hardware(cfg), Path(cfg.cache_dir))
+    steps = []  # (context, full tree, forecast tokens [n+1], forecast verify s [n+1], draft s, other s, chosen n)
+    size = budget.size
+
+    def recording(trees, contexts):
+        counts, verify, _, _ = budget.curve(trees, contexts)
+        _, gained = counts, np.concatenate([[0.0], np.cumsum(np.exp(trees[0].logq[1:]))])
+        chosen = size(trees, contexts)
+        steps.append((contexts[0], trees[0], 1 + budget.acceptance_ratio * gained, verify, budget.recent.draft_s,
+                      budget.recent.other_s, chosen[0].n_nodes))
+        return chosen
+
+    budget.size = recording
+    benches = [cfg.bench.name] if cfg.bench.name != "all" else list(cfg.bench.names)
+    prompts = [chat_tokens(target.tokenizer, [{"role": "user", "content": p.turns[0]}])
+               for bench in benches for p in load_prompts(bench, cfg.bench.limit)]
+    generate(target, prompts[:1], max_new_tokens=8)  # warm-up
+    produced = {n: [] for n in SIZES}
+    forecast = {n: [] for n in SIZES}
+    verify_forecast = {n: [] for n in SIZES}
+    costs = []
+    for prompt in prompts:
+        start = len(steps)
+        out = generate(target, [prompt], drafter=drafter, policy=policy, budget=budget, max_new_tokens=cfg.decode.max_new_tokens)
+        sequence = prompt + out.generations[0].tokens
+        for ctx, tree, tokens, verify, draft_s, other_s, _ in steps[start:]:
+            path = accepted_path(tree, sequence[ctx + 1 :])
+            for n in SIZES:
+                k = min(n, tree.n_nodes)
+                produced[n].append(1 + sum(node <= k for node in path))
+                forecast[n].append(float(tokens[k]))
+                verify_forecast[n].append(float(verify[k]))
+            costs.append((draft_s, other_s))
+    contexts = int(np.median([s[0] for s in steps]))
+    measured = {n: float(np.median(t)) for n, t in zip(SIZES, probe_times(target, [n + 1 for n in SIZES], contexts, repeats=5))}
+    draft_s, other_s = (float(np.median(c)) for c in zip(*costs))
+    ar_s = measured[0] + other_s
+    chosen = Counter(s[-1] for s in steps)
+    print(f"{target.name}, {cfg.drafter.name} + best_first + BASTION, {cfg.bench.name}, {len(prompts)} prompts x "
+          f"{cfg.decode.max_new_tokens} tokens, {len(steps)} drafted steps; draft {1e3 * draft_s:.1f} ms, "
+          f"other {1e3 * other_s:.1f} ms, median context {contexts}")
+    print(f"{'n':>3} {'tokens fc':>9} {'tokens cf':>9} {'verify fc':>9} {'verify ms':>9} {'S fc':>6} {'S true':>6} {'chosen':>6}")
+    for n in SIZES:
+        tokens_fc, tokens_cf = np.mean(forecast[n]), np.mean(produced[n])
+        verify_fc = 1e3 * np.median(verify_forecast[n])
+        step_fc = draft_s + verify_fc / 1e3 + other_s if n else ar_s
+        step_true = draft_s + measured[n] + other_s if n else ar_s
+        picked = sum(c for k, c in chosen.items() if k <= n and (n == SIZES[-1] or k < SIZES[SIZES.index(n) + 1]))
+        print(f"{n:>3} {tokens_fc:>9.3f} {tokens_cf:>9.3f} {verify_fc:>9.2f} {1e3 * measured[n]:>9.2f} "
+              f"{tokens_fc * ar_s / step_fc:>6.3f} {tokens_cf * ar_s / step_true:>6.3f} {picked:>6}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
