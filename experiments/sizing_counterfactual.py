@@ -8,7 +8,7 @@ Greedy decoding is lossless, so the output is AR's, and it says for every step a
 n how many tokens verifying the tree's first n nodes would have given. Printed per n: tokens
 per step as forecast (1 + r A_hat(n)) and as they would have been, verify time as forecast and
 as measured here (target forwards of n + 1 tokens), the speedups both imply, and how often the
-controller chose n.
+controller chose n (up to the next size listed).
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ def main(argv: list[str]) -> None:
         verify_fc = 1e3 * np.median(verify_forecast[n])
         step_fc = draft_s + verify_fc / 1e3 + other_s if n else ar_s
         step_true = draft_s + measured[n] + other_s if n else ar_s
-        picked = sum(c for k, c in chosen.items() if k <= n and (n == SIZES[-1] or k < SIZES[SIZES.index(n) + 1]))
+        picked = sum(c for k, c in chosen.items() if n <= k and (n == SIZES[-1] or k < SIZES[SIZES.index(n) + 1]))
         print(f"{n:>3} {tokens_fc:>9.3f} {tokens_cf:>9.3f} {verify_fc:>9.2f} {1e3 * measured[n]:>9.2f} "
               f"{tokens_fc * ar_s / step_fc:>6.3f} {tokens_cf * ar_s / step_true:>6.3f} {picked:>6}")
 

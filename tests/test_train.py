@@ -27,8 +27,8 @@ from bastion.train.data import (
     user_turn_prefix,
 )
 from bastion.train.dflash import feature_std, soft_cross_entropy, train_dflash, with_feature_noise
-from bastion.train.examples import split_examples, to_examples
-from bastion.train.flexdraft import train_flexdraft
+from bastion.train.examples import sample_anchors, split_examples, to_examples
+from bastion.train.flexdraft import group_loss, train_flexdraft
 from bastion.train.loop import train_loop
 from tests.conftest import ROOT, target_config
 
@@ -146,6 +146,30 @@ def test_training_learns_and_resumes(tiny, data, kind, autocast, tmp_path):
     assert [r["step"] for r in log] == [10, 20, 30, 40]
     with pytest.raises(ValueError, match="training run on other data or settings"):
         train(drafter, examples, state, steps=50, run_key={"data": "other"}, val_examples=val_examples, **kw)
+
+
+def test_a_frozen_mask_embedding_trains_the_same_without_a_graph_below_the_tuned_layers(tiny, data):
+    """With the mask embedding frozen, the layers below the tuned ones run without autograd:
+    the loss and the tuned weights' gradients are those of the full graph."""
+    examples = to_examples(data[1])
+    torch.manual_seed(0)
+    drafter = FlexDraftDrafter(tiny, tuned_layers=1, group_size=4, calibration_hidden=16, mask_token_id=16)
+    batch = sample_anchors(examples, 2, 8, torch.Generator().manual_seed(0))
+    grads = []
+    for trained in (True, False):
+        drafter.mask_embedding.requires_grad_(trained)
+        loss, _, _ = group_loss(drafter, batch, gamma=4.0)
+        loss.backward()
+        grads.append((loss.detach(), [p.grad for p in drafter.tuned.parameters()]))
+        drafter.zero_grad(set_to_none=True)
+    (full, full_grads), (frozen, frozen_grads) = grads
+    torch.testing.assert_close(frozen, full)
+    assert any(g is not None for g in full_grads)
+    for a, b in zip(frozen_grads, full_grads):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b)
+    assert drafter.mask_embedding.grad is None or not drafter.mask_embedding.requires_grad
 
 
 def test_weight_decay_shrinks_weights_by_lr_times_decay_per_step(tmp_path):

@@ -62,6 +62,7 @@ class FlexDraftDrafter(nn.Module, Drafter):
         self._race: tuple[torch.Tensor, torch.Tensor] | None = None  # auto: top-1 drafts [B, K] without / with the MLP at the last draft
         self.mlp_wins = [0, 1]  # auto: steps won without / with the MLP in this decode (a prior of one win for the MLP)
         self.tuned = nn.ModuleList(copy.deepcopy(target.model.layers[i].self_attn) for i in range(self.first_tuned, args.n_layers))
+        self.tuned.requires_grad_(True)  # copies of a frozen target's weights would stay frozen
         embed = target.model.embed_tokens.weight
         start = embed[mask_token_id] if mask_token_id is not None else embed.mean(0)
         self.mask_embedding = nn.Parameter(start.detach().clone())
@@ -77,27 +78,30 @@ class FlexDraftDrafter(nn.Module, Drafter):
         self._lengths: list[int] | None = None  # auto: rows' sequence lengths when the raced drafts were made
 
     # ---- the forward shared by drafting, parallel verification and training -------------------
-    def run_layers(self, x, positions, mask, is_mask, extend_kv):
-        """Target layers over clean and mask tokens together. x: [B, N, h]; is_mask: [B, N, 1];
-        mask: [B, 1, N, S]; extend_kv(layer) -> the K/V extender of that layer."""
+    def run_layers(self, x, positions, mask, is_mask, extend_kv, layers: range | None = None):
+        """Target layers over clean and mask tokens together. x: [B, N, h]; is_mask: [B, N, 1]
+        (None: every token is a mask, and the target's own projections are not computed);
+        mask: [B, 1, N, S]; extend_kv(layer) -> the K/V extender of that layer. `layers`: a
+        range of them (all by default); the final norm follows the last."""
         model = self.target.model
+        layers = range(len(model.layers)) if layers is None else layers
         cos, sin = model.rotary(positions, x.dtype)
-        for i, layer in enumerate(model.layers):
+        for i in layers:
+            layer = model.layers[i]
             if i < self.first_tuned:
                 x = layer(x, cos, sin, mask, extend_kv(i))
                 continue
             attn, tuned = layer.self_attn, self.tuned[i - self.first_tuned]
             h = layer.input_layernorm(x)
-            k, v = attn.keys_values(h, cos, sin)
-            k_m, v_m = tuned.keys_values(h, cos, sin)
-            sel = is_mask[:, None]  # [B, 1, N, 1] broadcast over heads
-            k, v = extend_kv(i)(torch.where(sel, k_m, k), torch.where(sel, v_m, v))
-            q = torch.where(sel, tuned.queries(h, cos, sin), attn.queries(h, cos, sin))
+            k, v = _per_token(is_mask, lambda a: a.keys_values(h, cos, sin), tuned, attn, heads=True)
+            k, v = extend_kv(i)(k, v)
+            (q,) = _per_token(is_mask, lambda a: (a.queries(h, cos, sin),), tuned, attn, heads=True)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
             out = out.transpose(1, 2).flatten(2)
-            x = x + torch.where(is_mask, tuned.o_proj(out), attn.o_proj(out))
+            (o,) = _per_token(is_mask, lambda a: (a.o_proj(out),), tuned, attn, heads=False)
+            x = x + o
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return model.norm(x)
+        return model.norm(x) if layers.stop == len(model.layers) else x
 
     def draft_logits(self, hidden: torch.Tensor, bonus: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Group hidden states [..., G, h] and bonus tokens [...] -> draft logits [..., G-1, V]
@@ -180,8 +184,7 @@ class FlexDraftDrafter(nn.Module, Drafter):
         tree_mask = torch.ones(B, G, G, dtype=torch.bool, device=device)
         write_pos, mask = cache.prepare(tree_mask)
         x = self.mask_embedding.expand(B, G, -1)
-        is_mask = torch.ones(B, G, 1, dtype=torch.bool, device=device)
-        hidden = self.run_layers(x, write_pos, mask, is_mask, lambda i: _writer(cache, i, write_pos, mask))
+        hidden = self.run_layers(x, write_pos, mask, None, lambda i: _writer(cache, i, write_pos, mask))
         return [hidden[b] for b in rows]
 
     def verify_forward(self, target, cache: KVCache, trees: list[DraftTree], tokens, depths, tree_mask, capture,
@@ -252,6 +255,17 @@ class FlexDraftDrafter(nn.Module, Drafter):
     # ---- checkpoints ------------------------------------------------------------------------------
     def save(self, out_dir: Path, dtype: torch.dtype = torch.bfloat16) -> None:
         save_checkpoint(self, self.config, out_dir, dtype)
+
+
+def _per_token(is_mask, project, tuned, attn, heads: bool) -> tuple[torch.Tensor, ...]:
+    """`project(module)`'s outputs with the tuned attention for mask tokens and the target's
+    for clean ones (is_mask [B, N, 1]; None: all masks, the target's not computed). heads:
+    outputs are [B, H, N, D] rather than [B, N, h]."""
+    masked = project(tuned)
+    if is_mask is None:
+        return masked
+    sel = is_mask[:, None] if heads else is_mask  # [B, 1, N, 1] broadcast over heads
+    return tuple(torch.where(sel, m, c) for m, c in zip(masked, project(attn)))
 
 
 def _writer(cache: KVCache, layer: int, write_pos, mask):

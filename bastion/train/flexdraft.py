@@ -38,12 +38,17 @@ def group_loss(drafter: FlexDraftDrafter, batch, gamma: float):
     attn_mask = torch.cat([sees_clean, sees_group], dim=-1)[:, None]
     positions = (anchors[:, :, None] + torch.arange(G)).view(B, M * G)
     x = drafter.mask_embedding.expand(B, M * G, -1)
-    is_mask = torch.ones(B, M * G, 1, dtype=torch.bool)
 
     def with_clean(i):
         return lambda k, v: (torch.cat([cache.k[i, :, :, :S], k], 2), torch.cat([cache.v[i, :, :, :S], v], 2))
 
-    hidden = drafter.run_layers(x, positions, attn_mask, is_mask, with_clean).view(B, M, G, -1)
+    # With the mask embedding frozen nothing below the tuned layers is trained: no graph there
+    below = range(0 if drafter.mask_embedding.requires_grad else drafter.first_tuned)
+    if below:
+        with torch.no_grad():
+            x = drafter.run_layers(x, positions, attn_mask, None, with_clean, below)
+    above = range(below.stop, len(target.model.layers))
+    hidden = drafter.run_layers(x, positions, attn_mask, None, with_clean, above).view(B, M, G, -1)
     drafts = hidden[:, :, 1:]  # [B, M, G-1, h]
     base = F.linear(drafts.flatten(0, 2), target.model.lm_head.weight).float()
     bonus = target.model.embed_tokens(tokens.gather(1, anchors))[:, :, None, :].expand_as(drafts)
@@ -59,11 +64,13 @@ def group_loss(drafter: FlexDraftDrafter, batch, gamma: float):
 
 def train_flexdraft(drafter: FlexDraftDrafter, examples: list[Example], state_path: Path, steps: int, lr: float = 1e-3,
                     lr_tuned: float = 1e-4, seqs_per_step: int = 1, anchors: int = 32, gamma: float = 4.0,
-                    val_examples: list[Example] = (), **loop) -> list[dict]:
-    """Optimise the tuned attention (at lr_tuned, it starts as the target's own) and the mask
-    embedding and calibration MLP (at lr)."""
+                    mask_embedding: bool = True, val_examples: list[Example] = (), **loop) -> list[dict]:
+    """Optimise the tuned attention (at lr_tuned, it starts as the target's own) and the
+    calibration MLP and, where `mask_embedding`, the mask embedding (at lr). A frozen mask
+    embedding spares the backward pass through every layer below the tuned ones."""
+    drafter.mask_embedding.requires_grad_(mask_embedding)
     groups = [{"params": list(drafter.tuned.parameters()), "lr": lr_tuned},
-              {"params": [drafter.mask_embedding, *drafter.calibration.parameters()], "lr": lr}]
+              {"params": [*([drafter.mask_embedding] if mask_embedding else []), *drafter.calibration.parameters()], "lr": lr}]
     return train_loop(
         drafter, groups,
         lambda gen: sample_anchors(examples, seqs_per_step, anchors, gen),
