@@ -24,7 +24,7 @@ from bastion.sampling import GREEDY, Sampling
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
 
-LABELS = ("name", "drafters")  # keys that describe a choice rather than configure its constructor
+LABELS = ("name", "drafters", "mask_token_id")  # keys that describe a choice rather than configure its constructor
 
 
 def build(node: DictConfig | None, **kwargs):

@@ -60,7 +60,7 @@ def bench_answers(target, layers: tuple[int, ...], n: int = 20, max_new_tokens: 
     chain decoding reproduces there, so walking them gives its AAL without decoding."""
     answers = {}
     for bench in BENCHES:
-        prompts = [chat_tokens(target.tokenizer, [{"role": "user", "content": p.turns[0]}]) for p in load_prompts(bench, limit=n)]
+        prompts = [chat_tokens(target, [{"role": "user", "content": p.turns[0]}]) for p in load_prompts(bench, limit=n)]
         recorder = FeatureRecorder(layers)
         decoding = generate(target, prompts, max_new_tokens=max_new_tokens, recorder=recorder)
         answers[bench] = [Example(torch.tensor(p + g.tokens), f, len(p)) for p, g, f in zip(prompts, decoding.generations, recorder.features)]

@@ -63,7 +63,7 @@ def main(argv: list[str]) -> None:
 
     budget.size = recording
     benches = [cfg.bench.name] if cfg.bench.name != "all" else list(cfg.bench.names)
-    prompts = [chat_tokens(target.tokenizer, [{"role": "user", "content": p.turns[0]}])
+    prompts = [chat_tokens(target, [{"role": "user", "content": p.turns[0]}])
                for bench in benches for p in load_prompts(bench, cfg.bench.limit)]
     generate(target, prompts[:1], max_new_tokens=8)  # warm-up
     produced = {n: [] for n in SIZES}

@@ -32,12 +32,14 @@ def main(argv: list[str]) -> None:
         else:
             overrides.append(arg)
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=["drafter.block_size=16", "drafter.top_k=8", "bench.limit=4", *overrides])
+        cfg = compose("config", overrides=["drafter=ngram", "drafter.top_k=8", "bench.limit=4", *overrides])
+    if cfg.drafter.name == "ngram":
+        cfg.drafter.drafts = 16  # trees of up to 64 nodes need long continuations
     cfg.device = resolve_device(cfg.device)
     torch.set_num_threads(cfg.threads or torch.get_num_threads())
     target = build_target(cfg)
     drafter, policy = packed(cfg, build(cfg.drafter, target=target)), build(cfg.tree)
-    prompts = [chat_tokens(target.tokenizer, [{"role": "user", "content": p.turns[0]}]) for p in load_prompts(cfg.bench.name, cfg.bench.limit)]
+    prompts = [chat_tokens(target, [{"role": "user", "content": p.turns[0]}]) for p in load_prompts(cfg.bench.name, cfg.bench.limit)]
     generate(target, prompts[:1], max_new_tokens=8)  # warm-up
     print(f"{target.name}, {cfg.drafter.name} + {cfg.tree.name}, {len(prompts)} prompts x {cfg.decode.max_new_tokens} tokens, {torch.get_num_threads()} threads")
     print(f"{'N':>4} {'nodes':>6} {'draft ms':>9} {'verify ms':>10} {'other ms':>9} {'other %':>8}")

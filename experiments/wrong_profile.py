@@ -63,13 +63,13 @@ def main(overrides: list[str]) -> None:
     drafter, policy = packed(cfg, build(cfg.drafter, target=target)), build(cfg.tree)
     h100, cpu = (profile_from_config(OmegaConf.to_container(OmegaConf.load(ROOT / f"conf/gpu/{g}.yaml")), cfg.device, [])
                  for g in ("h100", "cpu"))
-    live = BastionBudget(calibrate=False)
+    live = BastionBudget(probe=False)
     live.start(target, h100, Path(cfg.cache_dir))
-    reference = BastionBudget(calibrate=True, tolerance=math.inf)  # never explores: its choice is its argmax
+    reference = BastionBudget(probe=True, tolerance=math.inf)  # never explores: its choice is its argmax
     reference.start(target, cpu, Path(cfg.cache_dir))
     budget = Shadowed(live, reference)
     for prompt in load_prompts("gsm8k", 2):
-        tokens = chat_tokens(target.tokenizer, [{"role": "user", "content": prompt.turns[0]}])
+        tokens = chat_tokens(target, [{"role": "user", "content": prompt.turns[0]}])
         generate(target, [tokens], drafter=drafter, policy=policy, budget=budget, max_new_tokens=96)
     print(f"{'step':>4} {'h100 prior':>11} {'cpu probe':>10}")
     for i, (n, ref, exploring) in enumerate(budget.choices[:40]):

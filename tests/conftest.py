@@ -9,6 +9,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from bastion.compose import LABELS
 from bastion.models.packed_linear import prepack_linears
 from bastion.models.target import load_target
 
@@ -21,7 +22,9 @@ torch.set_num_threads(1 if "PYTEST_XDIST_WORKER" in os.environ else 2)
 def target_config(name: str, **overrides) -> dict:
     cfg = OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "target" / f"{name}.yaml"), resolve=False)
     cfg.pop("_target_")
-    cfg.pop("drafters", None)
+    for label in LABELS:  # what describes the choice, not what load_target takes
+        if label != "name":
+            cfg.pop(label, None)
     cfg["device"] = "cpu"
     cfg.update(overrides)
     return cfg

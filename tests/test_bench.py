@@ -10,15 +10,17 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import pytest
 from hydra import compose, initialize_config_dir
 
-from bastion.bench.datasets import BENCHES, Prompt, load_prompts
+from bastion.bench.datasets import BENCHES, Prompt, chat_tokens, load_prompts
 from bastion.bench.provenance import read_summary
 from bastion.bench.records import read_records
 from bastion.bench.runner import Method, decode_batch, run_methods
 from bastion.compose import CONTROL, plan_methods
+from bastion.train.data import user_turn_prefix
 from tests.test_errors import ROOT, run_py
 
 
@@ -72,6 +74,34 @@ class Recording(Method):
         self.calls.append(prompts)
         answer = target.tokenizer.encode(f" answer{len(self.calls)}")
         return FakeDecoding([FakeGeneration(list(answer)) for _ in prompts])
+
+
+def test_chat_template_args_reach_every_prompt_the_target_reads():
+    """A preset's chat_template_args (Qwen3: enable_thinking=False) shape benchmark prompts
+    and the self-distillation data's prompts and requests alike."""
+    calls = []
+
+    class Tokenizer:
+        chat_template = "a template"
+
+        def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=False, **kwargs):
+            calls.append(kwargs)
+            return "<turn>" + messages[-1]["content"]
+
+        def encode(self, text, add_special_tokens=True):
+            return [len(text)]
+
+    target = SimpleNamespace(tokenizer=Tokenizer(), chat_args={"enable_thinking": False})
+    assert chat_tokens(target, [{"role": "user", "content": "hi"}]) == [len("<turn>hi")]
+    assert user_turn_prefix(target) == [len("<turn>")]
+    assert calls == [{"enable_thinking": False}] * 2
+
+
+def test_qwen3_presets_prompt_without_thinking():
+    for name in ("qwen3_8b", "qwen3_4b"):
+        with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+            cfg = compose("config", overrides=[f"target={name}"])
+        assert cfg.target.chat_template_args == {"enable_thinking": False}
 
 
 def test_second_turn_continues_with_the_models_own_answer(tiny_qwen3):

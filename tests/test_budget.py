@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from types import SimpleNamespace
 
@@ -74,7 +75,7 @@ def test_merge_takes_the_best_next_node_of_any_row_keeping_prefixes():
 
 
 def controller(theta, profile=CPU, args=SMOL) -> BastionBudget:
-    budget = BastionBudget(max_nodes=256, calibrate=False)
+    budget = BastionBudget(max_nodes=256, probe=False)
     budget.latency = LatencyModel.from_profile(args, torch.float32, profile)
     if theta is not None:
         budget.latency.theta = budget.latency.prior = np.asarray(theta, dtype=float)
@@ -87,6 +88,29 @@ def test_bigger_trees_when_verifying_is_cheap():
     steep = controller([math.log(1e-4), math.log(50.0), math.log(1e-6), 0.0], args=ARGS)  # compute-bound from 1 token
     assert flat.size([tree], [100])[0].n_nodes == 200
     assert steep.size([tree], [100])[0].n_nodes < 20
+
+
+def stepped(n: int) -> float:
+    """A verify time that moves in steps of 4 tokens, as tiled matmul kernels cost: 1-4, 5-8, ..."""
+    return 0.020 + 0.004 * ((n - 1) // 4)
+
+
+def test_measured_sizes_correct_the_curve_and_the_controller_takes_a_steps_last_size():
+    """The curve cannot follow steps; sizes measured correct it (to their median), and a
+    controller that sees them stops at the last size a step pays for, not short of it."""
+    budget = controller(TRUE_CPU)
+    model = budget.latency
+    for n in range(1, 17):
+        for _ in range(3):
+            model.observe_forward([n], [300], stepped(n))
+    model.fit(fit_shape=True)
+    sizes = np.arange(1, 17)[:, None]
+    predicted = model.predict(sizes, np.full_like(sizes, 300))
+    np.testing.assert_allclose(predicted, [stepped(n) for n in range(1, 17)], rtol=1e-9)
+    assert model.predict(np.array([[17]]), np.array([[300]]))[0] == model.predict(np.array([[17]]), np.array([[300]]), corrected=False)[0]
+    budget.recent.drafted.append((0.0, 0.0, 2.0, 0.02))
+    chosen = budget.size([chain(15, 0.9)], [300])[0].n_nodes + 1  # tokens forwarded: the root too
+    assert chosen % 4 == 0  # the last size of its step
 
 
 def measured(verify_s, accepted=0.0, a_hat=0.0, draft_s=0.0, nodes=1):
@@ -233,9 +257,16 @@ def test_a_busy_probe_is_measured_again_then_refused(tiny_qwen3, monkeypatch):
 def test_a_cached_fit_serves_only_its_machine_and_profile(tiny_qwen3, monkeypatch, tmp_path):
     calls = fake_probes(monkeypatch, IDLE_PROBE)
     cpu = HardwareProfile("cpu", {"float64": 0.05}, 8.0)
+    fresh = calibrated(tiny_qwen3, cpu, tmp_path)
+    cached = calibrated(tiny_qwen3, cpu, tmp_path)
+    assert len(calls) == 1  # cached, with the measured sizes' corrections
+    assert cached.by_size == fresh.by_size and len(cached.by_size) == 4
+    np.testing.assert_allclose(cached.correction, fresh.correction)
+    (path,) = (tmp_path / "latency").glob("*.json")
+    path.write_text(json.dumps({k: v for k, v in json.loads(path.read_text()).items() if k != "by_size"}))
     calibrated(tiny_qwen3, cpu, tmp_path)
-    calibrated(tiny_qwen3, cpu, tmp_path)
-    assert len(calls) == 1  # cached
+    assert len(calls) == 2  # a calibration from before per-size corrections is measured again
+    calls.pop()
     calibrated(tiny_qwen3, HardwareProfile("measured-cpu", {"float64": 0.1}, 20.0), tmp_path)
     assert len(calls) == 2  # another profile: another prior, another fit
     monkeypatch.setattr(bastion.budget.latency, "device_name", lambda device: "Another CPU")

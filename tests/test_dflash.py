@@ -151,7 +151,7 @@ def test_chain_aal_walks_the_steps_chain_decoding_takes(smollm2_packed):
     many steps as chain decoding those prompts does (SmolLM2 and the committed drafter)."""
     target = smollm2_packed
     drafter = load_dflash(target, str(ROOT / "checkpoints" / "dflash_smollm2_135m"))
-    prompts = [chat_tokens(target.tokenizer, messages) for _, messages in file_prompts("gsm8k", 4, seed=5)]
+    prompts = [chat_tokens(target, messages) for _, messages in file_prompts("gsm8k", 4, seed=5)]
     layers = tuple(drafter.config["dflash_config"]["target_layer_ids"])
     recorder = FeatureRecorder(layers)
     answers = generate(target, prompts, max_new_tokens=64, recorder=recorder).generations

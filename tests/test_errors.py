@@ -289,7 +289,7 @@ def test_every_prompt_length_is_checked_before_the_first_decode(tmp_path):
 
 
 def test_a_conversation_too_long_for_its_last_turn_is_refused_up_front(tiny_qwen3):
-    short = SimpleNamespace(tokenizer=tiny_qwen3.tokenizer, args=SimpleNamespace(max_position=128), name="short")
+    short = SimpleNamespace(tokenizer=tiny_qwen3.tokenizer, args=SimpleNamespace(max_position=128), name="short", chat_args={})
     turn = "word " * 40
     check_prompt_lengths(short, {"mt": [Prompt("one", (turn,))]}, 16)
     with pytest.raises(ValueError, match=r"Prompt two \(mt\) takes \d+ tokens, .* exceeds the context of short \(128"):

@@ -93,7 +93,7 @@ def test_flex_mode_follows_the_latency_model(tiny_qwen3):
         assert budget.parallel(len(TREE.tokens), inside, apart, [100]) == cheaper
     assert budget_with(tiny_qwen3, 4, mode="parallel").parallel(5, inside, apart, [100])
     assert not budget_with(tiny_qwen3, 4, mode="sequential").parallel(5, inside, apart, [100])
-    with pytest.raises(ValueError, match="budget.mode=flex and drafting_off=False need a latency model"):
+    with pytest.raises(ValueError, match="budget.mode=flex and pause_drafting=False need a latency model"):
         budget_with(tiny_qwen3, 4, mode="flex").parallel(5, inside, apart, [100])
 
 
@@ -156,14 +156,14 @@ def on_latency_model(budget: FixedBudget) -> FixedBudget:
     # compute-bound: a drafted step costs >= 8 AR steps, so its stretch is >= 140 steps (a retry wastes <= 5%)
     (1.0, [0, 1, 2, 3, 4, 5]),
 ])
-def test_drafting_off_stops_a_drafter_that_cannot_pay(tiny_llama, token_share, drafted_steps):
+def test_paused_drafting_stops_a_drafter_that_cannot_pay(tiny_llama, token_share, drafted_steps):
     """A random drafter produces ~1 token per drafted step, which never pays: with drafting
     off on, the budget decodes AR steps, retrying after stretches that double and that are long
     enough for a retry to waste at most 5% of them, and stays lossless."""
     prompts = random_prompts(1, seed=8)
     expected = ar_outputs(tiny_llama, prompts, 60)
     budget = on_latency_model(budget_with(tiny_llama, 3, overhead_bound_latency(tiny_llama, token_share),
-                                          mode="parallel", drafting_off=True))
+                                          mode="parallel", pause_drafting=True))
     d = generate(tiny_llama, prompts, drafter=random_flexdraft(tiny_llama), policy=chain, budget=budget, max_new_tokens=60)
     assert_same_tokens(tiny_llama, prompts[0], expected[0], d.generations[0].tokens, "drafting off")
     assert [i for i, s in enumerate(d.steps) if s.drafted] == drafted_steps

@@ -60,7 +60,7 @@ def test_tiny_models_lossless(name, request):
         for budget in BUDGETS:
             d = check(target, prompts, expected, oracle, policy, budget, max_new, f"{name} oracle")
             accepted_deep |= max(max(s.produced) for s in d.steps) >= 4
-            check(target, prompts, expected, NgramDrafter(block_size=6), policy, budget, max_new, f"{name} ngram")
+            check(target, prompts, expected, NgramDrafter(drafts=6), policy, budget, max_new, f"{name} ngram")
     assert accepted_deep, "the oracle drafter should get multi-token acceptances"
 
 
@@ -119,7 +119,7 @@ def smol_case(smollm2_packed):
     CPU): some stop on EOS, some on length."""
     max_new = 32
     texts = SMOL_QUESTIONS + [p.turns[0] for p in load_prompts("gsm8k", limit=3)] + [p.turns[0] for p in load_prompts("mt_bench", limit=2)]
-    prompts = [chat_tokens(smollm2_packed.tokenizer, [{"role": "user", "content": t}]) for t in texts]
+    prompts = [chat_tokens(smollm2_packed, [{"role": "user", "content": t}]) for t in texts]
     expected = ar_outputs(smollm2_packed, prompts, max_new)
     finishes = {("eos" if out[-1] in smollm2_packed.eos_ids else "length") for out in expected}
     assert finishes == {"eos", "length"}
@@ -199,7 +199,7 @@ def test_batched_bastion_budget_lossless(tiny_qwen3, policy, tmp_path):
     # The oracle's decoys make its beliefs a poor guide; scaled down by measured acceptance
     # they would size most trees at zero, and its realised throughput would turn drafting off
     # for stretches: this test is about trees of different sizes.
-    budget = on_exact_hardware(BastionBudget(max_nodes=32, calibrate=False, calibrate_acceptance=False, drafting_off=False))
+    budget = on_exact_hardware(BastionBudget(max_nodes=32, probe=False, scale_acceptance=False, pause_drafting=False))
     budget.start(target, HardwareProfile("cpu", {"float64": 0.05}, 8.0, 1.0), tmp_path)
     d = generate(target, prompts, drafter=oracle, policy=POLICIES[policy], budget=budget, max_new_tokens=24)
     for prompt, exp, gen in zip(prompts, expected, d.generations):
@@ -218,7 +218,7 @@ def test_ar_stretches_of_the_bastion_budget_stay_lossless(tiny_llama, tmp_path):
 
     prompts = random_prompts(4, seed=9)
     expected = ar_outputs(tiny_llama, prompts, 40)
-    budget = BastionBudget(max_nodes=16, calibrate=False)
+    budget = BastionBudget(max_nodes=16, probe=False)
     budget.start(tiny_llama, HardwareProfile("cpu", {"float64": 1e-6}, 8.0, 1.0), tmp_path)
     d = generate(tiny_llama, prompts, drafter=random_drafter(tiny_llama, block_size=6), policy=best_first, budget=budget, max_new_tokens=40)
     for prompt, exp, gen in zip(prompts, expected, d.generations):
@@ -258,7 +258,7 @@ def test_sampled_outputs_equal_ar_for_the_same_seed(name, request, tmp_path):
         oracle = OracleDrafter(dict(zip(map(tuple, prompts), ar)), vocab=49152, top_k=4)
         methods = [(policy, FixedBudget(n)) for policy in POLICIES for n in (2, 8)]
         for _ in range(2):
-            bastion = BastionBudget(max_nodes=16, calibrate=False, calibrate_acceptance=False)
+            bastion = BastionBudget(max_nodes=16, probe=False, scale_acceptance=False)
             bastion.start(target, HardwareProfile("cpu", {"float64": 0.05}, 8.0, 1.0), tmp_path)
             methods.append(("best_first", bastion))
         deepest = 0

@@ -13,7 +13,7 @@ from bastion.tree.best_first import best_first
 
 
 def test_longest_suffix_match_wins_and_recent_first():
-    drafter = NgramDrafter(block_size=3, max_ngram=2)
+    drafter = NgramDrafter(drafts=3, max_ngram=2)
     seq = np.array([1, 2, 9, 9, 5, 2, 7, 8, 1, 2])
     # suffix [1, 2] occurs at 0 (followed by 9 9 5): the 1-gram [2] would also match at 5
     assert drafter.lookup(seq) == [[9, 9, 5]]
@@ -22,7 +22,7 @@ def test_longest_suffix_match_wins_and_recent_first():
 
 
 def test_disagreeing_matches_make_a_tree():
-    drafter = NgramDrafter(block_size=2, max_ngram=1, top_k=2)
+    drafter = NgramDrafter(drafts=2, max_ngram=1, top_k=2)
     ctx = DraftContext([[5, 1, 5, 2, 5, 1, 5]], None, [0])
     proposal = drafter.propose(ctx)
     # matches of [5]: at 4 -> (1, 5), at 2 -> (2, 5), at 0 -> (1, 5)

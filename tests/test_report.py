@@ -67,7 +67,7 @@ def test_tables_files_and_plots_of_one_run(tmp_path):
     csv = pd.read_csv(tmp_path / "report.csv").set_index(["method", "bench"])
     assert list(csv.reset_index().columns) == ["method", "bench", "temperature", "batch_size", "speedup", "speedup_lo",
                                                "speedup_hi", "aal", "tokens_per_s", "tpot_ms", "ttft_ms", "lossless",
-                                               "n_prompts"]
+                                               "lossless_ties", "n_prompts"]
     ar = csv.loc[("ar", "gsm8k")]
     assert ar.tokens_per_s == pytest.approx(12.2) and ar.tpot_ms == pytest.approx(10_000 / 122)
     assert ar.ttft_ms == pytest.approx(100) and ar.n_prompts == 2 and ar.batch_size == 1

@@ -7,7 +7,7 @@ import json
 from bastion.bench.provenance import read_summary
 from tests.test_errors import run_py
 
-ARGS = ["target=tiny_qwen3", "drafter=ngram", "budget=fixed", "bench.limit=3", "decode.max_new_tokens=6", "drafter.block_size=4", "budget.nodes=4"]
+ARGS = ["target=tiny_qwen3", "drafter=ngram", "budget=fixed", "bench.limit=3", "decode.max_new_tokens=6", "drafter.drafts=4", "budget.nodes=4"]
 
 
 def test_run_writes_records_and_summary_then_resumes(tmp_path):

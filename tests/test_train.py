@@ -96,7 +96,7 @@ def test_an_untrained_target_writing_no_chat_request_is_refused(tiny, tmp_path):
 
 @pytest.mark.slow
 def test_chat_requests_are_the_targets_own_and_the_list_grows_in_order(smollm2, tmp_path):
-    assert smollm2.tokenizer.decode(user_turn_prefix(smollm2.tokenizer)).endswith("<|im_end|>\n<|im_start|>user\n")
+    assert smollm2.tokenizer.decode(user_turn_prefix(smollm2)).endswith("<|im_end|>\n<|im_start|>user\n")
     first = chat_prompts(smollm2, 3, tmp_path, batch_size=8, max_new_tokens=64)
     assert [pid.split("-")[0] for pid, _ in first] == ["chat/0", "chat/1", "chat/2"]
     texts = [messages[0]["content"] for _, messages in first]

@@ -168,7 +168,7 @@ def check_prompt_lengths(target, prompts: dict[str, list[Prompt]], max_new_token
         for prompt in listed:
             messages = [m for turn in prompt.turns
                         for m in ({"role": "user", "content": turn}, {"role": "assistant", "content": ""})]
-            n = len(chat_tokens(target.tokenizer, messages[:-1]))
+            n = len(chat_tokens(target, messages[:-1]))
             if n + max_new_tokens > context:
                 raise ValueError(
                     f"Prompt {prompt.id} ({bench}) takes {n} tokens, which with decode.max_new_tokens={max_new_tokens} "
@@ -177,10 +177,12 @@ def check_prompt_lengths(target, prompts: dict[str, list[Prompt]], max_new_token
                 )
 
 
-def chat_tokens(tokenizer, messages: list[dict]) -> list[int]:
-    """Token ids of a conversation ready for the assistant's reply (the chat template when the
-    tokenizer has one, the plain concatenation of the messages otherwise)."""
+def chat_tokens(target, messages: list[dict]) -> list[int]:
+    """Token ids of a conversation ready for the target's reply (its chat template, with the
+    target's chat_args, when the tokenizer has one; the plain concatenation of the messages
+    otherwise)."""
+    tokenizer = target.tokenizer
     if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **target.chat_args)
         return tokenizer.encode(text, add_special_tokens=False)
     return tokenizer.encode("\n\n".join(m["content"] for m in messages))

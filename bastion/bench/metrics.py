@@ -6,6 +6,8 @@ of both, so AR decoding has AAL exactly 1. Speedup = AR wall time / method wall 
 same prompts of the same run. Lossless = every output equals AR's, token for token: at
 temperature 0, and at temperature > 0 with ranked children (keyed sampling draws AR's sample);
 sampled children are lossless in distribution only, which tests prove, so it stays blank.
+lossless_ties = every output equals AR's or first leaves it at a near-tie of the target's
+logits, which rounding explains (divergence.py; at temperature 0, else as lossless).
 speedup_lo / speedup_hi = a 95% bootstrap interval of the speedup over batches
 (speedup_interval); `note` says when a speedup rests on too few prompts or batches to trust.
 """
@@ -14,6 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 import pandas as pd
+
+from bastion.bench.divergence import is_tie
 
 BASELINE = "ar"
 
@@ -68,6 +72,7 @@ def summarize(records: pd.DataFrame) -> pd.DataFrame:
             "speedup_lo": float("nan"),
             "speedup_hi": float("nan"),
             "lossless": None,
+            "lossless_ties": None,
             "temperature": float(group.temperature.iloc[0]) if "temperature" in group else 0.0,
             "note": "",
         }
@@ -82,6 +87,8 @@ def summarize(records: pd.DataFrame) -> pd.DataFrame:
                 ours = group.set_index("prompt_id").tokens
                 ref = baseline.set_index("prompt_id").tokens
                 row["lossless"] = all(ours[p] == ref[p] for p in shared)
+                found = group.divergence if "divergence" in group and row["temperature"] == 0 else pd.Series(dtype=object)
+                row["lossless_ties"] = row["lossless"] or all(is_tie(d if isinstance(d, dict) else None) for d in found)
         else:
             notes.append(f"speedup blank: {len(group) - len(shared)} of its {len(group)} prompts have no AR record, "
                          f"{len(baseline) - len(shared)} of AR's {len(baseline)} have none of its")

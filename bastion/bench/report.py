@@ -40,7 +40,7 @@ from bastion.bench.provenance import read_machine, read_summary
 from bastion.bench.records import run_records
 
 COLUMNS = ["method", "bench", "temperature", "batch_size", "speedup", "speedup_lo", "speedup_hi", "aal", "tokens_per_s",
-           "tpot_ms", "ttft_ms", "lossless", "n_prompts"]
+           "tpot_ms", "ttft_ms", "lossless", "lossless_ties", "n_prompts"]
 KEYS = ["method", "bench", "temperature", "batch_size"]
 MEASURES = ["speedup", "aal", "tokens_per_s", "tpot_ms", "ttft_ms"]
 
@@ -84,7 +84,8 @@ def load(dirs: list[Path]) -> tuple[pd.DataFrame, pd.DataFrame]:
         summaries.append(summary.assign(batch_size=int(records.batch_size.max())))
         steps.append(step_table(records))
     grouped = pd.concat(summaries, ignore_index=True).groupby(KEYS, sort=False)
-    long = (grouped[MEASURES].mean().join(grouped.lossless.agg(all_lossless)).join(grouped.n_prompts.sum())
+    long = (grouped[MEASURES].mean().join(grouped.lossless.agg(all_lossless)).join(grouped.lossless_ties.agg(all_lossless))
+            .join(grouped.n_prompts.sum())
             .join(grouped.speedup_lo.min()).join(grouped.speedup_hi.max()))
     return long.reset_index()[COLUMNS], pd.concat(steps, ignore_index=True)
 

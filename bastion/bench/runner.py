@@ -21,7 +21,8 @@ import pandas as pd
 from tqdm import tqdm
 
 from bastion.bench.datasets import Prompt, chat_tokens
-from bastion.bench.metrics import summarize
+from bastion.bench.divergence import divergence
+from bastion.bench.metrics import BASELINE, summarize
 from bastion.bench.provenance import summary_fields
 from bastion.bench.records import drop_cut_line, read_records, run_records
 from bastion.bench.rundir import fingerprint
@@ -47,14 +48,16 @@ def run_methods(
     """Decode `prompts` with every method; append a record per prompt to
     out_dir/results{shard}.jsonl, skipping those already there with the method's settings and
     the prompt's text (under the run dir's lock, after rundir.check_run_dir refused other
-    settings)."""
+    settings). At temperature 0 a record whose output differs from AR's keeps its first
+    divergence (divergence.py)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     results = out_dir / f"results{shard}.jsonl"
     current = {(m.name, fingerprint(m.settings)) for m in methods}
-    done = {(r["method"], r["bench"], r["prompt_id"], r["prompt_hash"]) for r in read_records(results)
-            if (r["method"], r.get("fingerprint")) in current}
+    kept = [r for r in read_records(results) if (r["method"], r.get("fingerprint")) in current]
+    done = {(r["method"], r["bench"], r["prompt_id"], r["prompt_hash"]) for r in kept}
+    ar = {r["prompt_id"]: r for r in kept if r["method"] == BASELINE and r["bench"] == bench}  # AR's records, to compare with
     if warmup:  # the first batch at the run's batch size: a batch-1 warm-up leaves larger batches' shapes cold
-        first = [chat_tokens(target.tokenizer, [{"role": "user", "content": p.turns[0]}])
+        first = [chat_tokens(target, [{"role": "user", "content": p.turns[0]}])
                  for p in prompts[:batch_size]]
         for method in methods:
             method.generate(target, first, min(8, max_new_tokens), sampling, seed, stop)
@@ -66,7 +69,11 @@ def run_methods(
                 bar.set_postfix_str(method.name)
                 todo = [p for p in batch if (method.name, bench, p.id, prompt_hash(p)) not in done]
                 if todo:
-                    for record in decode_batch(target, method, todo, bench, max_new_tokens, sampling, seed, stop):
+                    for prompt, record in zip(todo, decode_batch(target, method, todo, bench, max_new_tokens, sampling, seed, stop)):
+                        if method.name == BASELINE:
+                            ar[prompt.id] = record
+                        elif sampling.greedy and prompt.id in ar:
+                            record["divergence"] = divergence(target, prompt, ar[prompt.id], record)
                         sink.write(json.dumps(record) + "\n")
                     sink.flush()
                 bar.update()
@@ -108,7 +115,8 @@ def decode_batch(target: Target, method: Method, batch: list[Prompt], bench: str
         {"method": method.name, "bench": bench, "prompt_id": p.id, "prompt_hash": prompt_hash(p),
          "fingerprint": fingerprint(method.settings), "batch_size": len(batch), "turns": len(p.turns),
          "temperature": sampling.temperature, "tree_mode": sampling.tree_mode,
-         "new_tokens": 0, "steps": 0, "prefill_s": 0.0, "batch_wall_s": 0.0, "tokens": [], "text": [], "finish": [],
+         "new_tokens": 0, "steps": 0, "prefill_s": 0.0, "batch_wall_s": 0.0, "tokens": [], "turn_tokens": [], "text": [],
+         "finish": [],
          "produced": [], "tree_sizes": [], "expected": [], "step_s": [], "verify_s": [], "predicted_verify_s": []}
         for p in batch
     ]
@@ -116,13 +124,14 @@ def decode_batch(target: Target, method: Method, batch: list[Prompt], bench: str
         rows = [i for i, p in enumerate(batch) if turn < len(p.turns)]
         for i in rows:
             conversations[i].append({"role": "user", "content": batch[i].turns[turn]})
-        decoding = method.generate(target, [chat_tokens(target.tokenizer, conversations[i]) for i in rows], max_new_tokens,
+        decoding = method.generate(target, [chat_tokens(target, conversations[i]) for i in rows], max_new_tokens,
                                    sampling, seed, stop, [sample_key(batch[i], turn) for i in rows])
         for row, (i, gen) in enumerate(zip(rows, decoding.generations)):
             text = target.tokenizer.decode(gen.tokens, skip_special_tokens=True)
             conversations[i].append({"role": "assistant", "content": text})
             rec = records[i]
             rec["tokens"] += gen.tokens
+            rec["turn_tokens"].append(len(gen.tokens))
             rec["text"].append(text)
             rec["finish"].append(gen.finish)
             rec["new_tokens"] += len(gen.tokens)

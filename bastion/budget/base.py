@@ -3,7 +3,7 @@ every tree the policy built.
 
 Two decisions are shared by every budget and made here, so that one place decides whether a
 step drafts and how:
-- drafting off (`drafting_off`): while the measured drafted steps of this decode produce fewer
+- pausing drafting (`pause_drafting`): while the measured drafted steps of this decode produce fewer
   tokens per second than its AR steps (recent.py), the next steps are AR steps (stretch.py:
   8 at first, doubling while retries fail);
 - where a drafter that can also draft inside the verification forward (FlexDraft) drafts
@@ -29,18 +29,18 @@ class Budget:
     max_nodes: int = 256  # the most draft nodes a row's tree may have (the policy builds up to this)
     predicted_s: float | None = None  # the forecast verify time of the last sized step, where one is made
 
-    def __init__(self, mode: str = "sequential", drafting_off: bool = False, window: int = 8):
+    def __init__(self, mode: str = "sequential", pause_drafting: bool = False, window: int = 8):
         if mode not in MODES:
             raise ValueError(f"budget.mode must be one of {', '.join(MODES)} (got {mode}).")
-        self.mode, self.drafting_off = mode, drafting_off
+        self.mode, self.pause_drafting = mode, pause_drafting
         self.stretch = ARStretch()
         self.recent = RecentSteps(window)
         self.latency: LatencyModel | None = None
 
     def start(self, target, hardware, cache_dir: Path) -> None:
         """Before the first decode: calibrate the latency model on this machine where a
-        decision needs it (flex mode; drafting off, for an AR step's time before one ran)."""
-        if self.latency is None and (self.mode == "flex" or self.drafting_off):
+        decision needs it (flex mode; pause_drafting, for an AR step's time before one ran)."""
+        if self.latency is None and (self.mode == "flex" or self.pause_drafting):
             self.latency = calibrated(target, hardware, cache_dir)
 
     def reset(self) -> None:
@@ -56,16 +56,16 @@ class Budget:
     def size(self, trees: list[DraftTree], contexts: list[int]) -> list[DraftTree]:
         """The trees to verify: the policy's `trees`, cut to this step's budget (`contexts`:
         each row's cached tokens)."""
-        if self.drafting_off:
+        if self.pause_drafting:
             ar_s = self.recent.ar_step_s(float(self.predict(1, contexts)))
             self.judge(None, self.recent.step_s / ar_s, ar_s)
         return trees
 
     def judge(self, forecast: float | None, retry_cost: float, forecast_ar_s: float) -> None:
-        """With drafting off on: start an AR stretch when drafting does not pay, by realised
+        """With pause_drafting on: start an AR stretch when drafting does not pay, by realised
         throughput once measured, else (not while retrying: a retry is measured) by the
         `forecast` speedup (None: no judgement); a retry will cost `retry_cost` AR steps."""
-        if not self.drafting_off:
+        if not self.pause_drafting:
             return
         realised = self.recent.speedup(forecast_ar_s)
         pays = forecast if realised is None and not self.recent.retrying else realised
@@ -88,7 +88,7 @@ class Budget:
         """The latency model's forecast of a forward of `tokens` (one count, or several
         [n]) per row after `contexts` cached tokens: seconds [n] (or one)."""
         if self.latency is None:
-            raise ValueError(f"budget.mode={self.mode} and drafting_off={self.drafting_off} need a latency model: "
+            raise ValueError(f"budget.mode={self.mode} and pause_drafting={self.pause_drafting} need a latency model: "
                              "build the budget through run.py (budget.start calibrates one).")
         ctx = np.asarray(contexts)[None, :]
         counts = np.atleast_1d(tokens)[:, None].repeat(ctx.shape[1], 1)

@@ -23,9 +23,9 @@ sees the sizes it chooses, which cannot tell compute from memory costs apart. So
 forecasts are off by more than `tolerance` on average (a running mean of the signed log error,
 so that timing noise cancels and a bias does not), the controller explores: it verifies at
 half, a quarter and twice its choice in turn, and refits at once, until forecasts are right.
-The tolerance (50%) is wide: a roofline cannot follow the steps a CPU's matmul kernels take
-between sizes, which leave a probe-calibrated model about 20% off on some prompts, and
-exploring those (a fifth of all steps at the wrong size) cost more than the error.
+The tolerance is wide: a roofline cannot follow the steps a CPU's matmul kernels take between
+sizes, which leave even a probe-calibrated model off by a fraction on some prompts, and
+exploring for that cost more than the error did (experiments/NOTES.md).
 """
 
 from __future__ import annotations
@@ -45,16 +45,16 @@ from bastion.tree.draft_tree import DraftTree
 class BastionBudget(Budget):
     EXPLORE = (0.5, 0.25, 2.0)
 
-    def __init__(self, max_nodes: int = 256, calibrate: bool = True, refit_every: int = 16, smoothing: float = 0.2,
-                 tolerance: float = 0.5, calibrate_acceptance: bool = True, drafting_off: bool = True, window: int = 8,
+    def __init__(self, max_nodes: int = 256, probe: bool = True, refit_every: int = 16, smoothing: float = 0.2,
+                 tolerance: float = 0.5, scale_acceptance: bool = True, pause_drafting: bool = True, window: int = 8,
                  mode: str = "flex"):
         if max_nodes < 1:
             raise ValueError(f"budget.max_nodes must be at least 1 (got {max_nodes}).")
         if refit_every < 1:
             raise ValueError(f"budget.refit_every must be at least 1 (got {refit_every}).")
-        super().__init__(mode, drafting_off, window)
-        self.max_nodes, self.calibrate, self.refit_every, self.smoothing = max_nodes, calibrate, refit_every, smoothing
-        self.tolerance, self.calibrate_acceptance = tolerance, calibrate_acceptance
+        super().__init__(mode, pause_drafting, window)
+        self.max_nodes, self.probe, self.refit_every, self.smoothing = max_nodes, probe, refit_every, smoothing
+        self.tolerance, self.scale_acceptance = tolerance, scale_acceptance
         self.accepted, self.believed = 2.0, 2.0  # decayed sums of accepted tokens and A_hat (a prior of ratio 1)
         self.exploring = False  # while forecasts are biased
         self.bias = 0.0  # running mean of log(measured / forecast) verify time
@@ -64,7 +64,7 @@ class BastionBudget(Budget):
     def start(self, target, hardware: HardwareProfile, cache_dir: Path) -> None:
         """Build the latency model: probe-calibrated (cached), or the profile's prior alone."""
         if self.latency is None:
-            if self.calibrate:
+            if self.probe:
                 self.latency = calibrated(target, hardware, cache_dir)
             else:
                 self.latency = LatencyModel.from_profile(target.args, target.dtype, hardware)
@@ -72,7 +72,7 @@ class BastionBudget(Budget):
     @property
     def acceptance_ratio(self) -> float:
         """Accepted tokens per unit of A_hat, measured (1 without calibration)."""
-        return self.accepted / self.believed if self.calibrate_acceptance else 1.0
+        return self.accepted / self.believed if self.scale_acceptance else 1.0
 
     def size(self, trees: list[DraftTree], contexts: list[int]) -> list[DraftTree]:
         counts, verify, cost, speedup = self.curve(trees, contexts)
@@ -109,7 +109,8 @@ class BastionBudget(Budget):
         decay = 1 - self.smoothing / 4  # acceptance is noisy: a long memory
         self.accepted = decay * self.accepted + sum(step.produced) - len(step.produced)
         self.believed = decay * self.believed + sum(step.expected)
-        forecast = float(self.predict(width, contexts))
+        # the curve's own error: a wrong profile shows there, while measured sizes' corrections hide it
+        forecast = float(self.latency.predict(np.full((1, len(contexts)), width), np.asarray(contexts)[None, :], corrected=False)[0])
         self.latency.observe_forward([width] * len(contexts), contexts, step.verify_s)
         self._seen += 1
         self.bias += 0.3 * (math.log(step.verify_s / forecast) - self.bias)

@@ -10,6 +10,12 @@ a short probe at start-up fits all four parameters (cached per machine, profile,
 kernels and attention backend; a probe a busy machine disturbed is refused, not cached) and
 measured step times keep refitting t0, a and b online, so a wrong profile corrects itself
 within a few steps.
+
+Matmul kernels do not cost what a smooth curve says: they work in tiles, so a forward of 6, 7
+or 8 tokens can cost the same and 9 a step more (CPU and GPU alike). A controller reading a
+smooth curve picks sizes on the low side of such a step, paying for tokens it does not verify.
+So each forward size the model has seen measured (the probe covers every size up to 16)
+keeps a correction: the median log ratio of its measured times to the curve's.
 """
 
 from __future__ import annotations
@@ -33,7 +39,8 @@ from bastion.models.packed_linear import linear_kernels
 from bastion.models.timer import now
 from bastion.models.transformer import ModelArgs
 
-PROBE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+PROBE_SIZES = (*range(1, 17), 24, 32, 48, 64, 128, 256)
+SIZE_POINTS = 16  # measured times kept per forward size for its correction
 
 
 @dataclass
@@ -70,6 +77,8 @@ class LatencyModel:
     prior: np.ndarray = field(default=None)  # what fits are pulled towards: the profile's, or the probe's fit
     points: list[tuple[float, float, float]] = field(default_factory=list)  # (flops, bytes, seconds)
     max_points: int = 256
+    by_size: dict[int, list[tuple[float, float, float]]] = field(default_factory=dict)  # tokens forwarded -> its last points
+    correction: np.ndarray = field(default_factory=lambda: np.zeros(0))  # [sizes] log(measured / curve), 0 where unseen
 
     def __post_init__(self):
         if self.prior is None and self.theta is not None:
@@ -82,9 +91,16 @@ class LatencyModel:
         prior = np.log([max(hw.launch_overhead_ms, 1e-3) * 1e-3, 1 / 0.6, 1 / 0.8, (8.0 if is_gpu else 1.0) - 1 + 1e-3])
         return cls(cost, hw.flops_per_s(dtype), hw.bytes_per_s, prior)
 
-    def predict(self, new_tokens: np.ndarray, contexts: np.ndarray) -> np.ndarray:
-        flops, moved = self.cost.flops_bytes(np.asarray(new_tokens), np.asarray(contexts))
-        return self._predict(self.theta, flops, moved)
+    def predict(self, new_tokens: np.ndarray, contexts: np.ndarray, corrected: bool = True) -> np.ndarray:
+        """Seconds of forwards of new_tokens [..., rows] after contexts [..., rows]: the curve,
+        corrected at sizes (total tokens) measured before unless `corrected` is false."""
+        new_tokens = np.asarray(new_tokens)
+        flops, moved = self.cost.flops_bytes(new_tokens, np.asarray(contexts))
+        seconds = self._predict(self.theta, flops, moved)
+        if not (corrected and len(self.correction)):
+            return seconds
+        size = new_tokens.sum(-1)
+        return seconds * np.exp(np.where(size < len(self.correction), self.correction[np.minimum(size, len(self.correction) - 1)], 0.0))
 
     def _predict(self, theta, flops, moved):
         t0, a, b, p = np.exp(theta[0]), np.exp(theta[1]), np.exp(theta[2]), 1 + np.exp(theta[3]) - 1e-3
@@ -111,6 +127,15 @@ class LatencyModel:
         fitted = least_squares(residuals, self.theta[free], method="trf").x
         self.theta = base.copy()
         self.theta[free] = fitted
+        self.correct()
+
+    def correct(self) -> None:
+        """Each measured size's correction against the current curve."""
+        correction = np.zeros(max(self.by_size, default=-1) + 1)
+        for size, points in self.by_size.items():
+            flops, moved, seconds = map(np.asarray, zip(*points))
+            correction[size] = np.median(np.log(seconds) - np.log(self._predict(self.theta, flops, moved)))
+        self.correction = correction
 
     def distinct_sizes(self) -> int:
         """Distinct forward costs among the points: enough of them make the curve's shape (p) identifiable."""
@@ -123,6 +148,9 @@ class LatencyModel:
     def observe_forward(self, new_tokens: list[int], contexts: list[int], seconds: float) -> None:
         flops, moved = self.cost.flops_bytes(np.asarray(new_tokens), np.asarray(contexts))
         self.observe(float(flops), float(moved), seconds)
+        kept = self.by_size.setdefault(int(sum(new_tokens)), [])
+        kept.append((float(flops), float(moved), seconds))
+        del kept[:-SIZE_POINTS]
 
 
 def probe(target, model: LatencyModel, sizes=PROBE_SIZES, context: int = 256, repeats: int = 3, attempts: int = 2) -> None:
@@ -191,7 +219,8 @@ def calibrated(target, hw: HardwareProfile, cache_dir: Path, use_cache: bool = T
     if not (use_cache and read_calibration(path, model)):
         started = time.perf_counter()
         probe(target, model)
-        atomic_write_text(path, json.dumps({"theta": model.theta.tolist(), "points": model.points, "probe_s": time.perf_counter() - started}))
+        atomic_write_text(path, json.dumps({"theta": model.theta.tolist(), "points": model.points, "by_size": model.by_size,
+                                            "probe_s": time.perf_counter() - started}))
     model.prior = model.theta.copy()  # online refits stay near the probe's fit unless measurements say otherwise
     return model
 
@@ -204,12 +233,16 @@ def read_calibration(path: Path, model: LatencyModel) -> bool:
         return False
     try:
         saved = json.loads(path.read_text())
+        if isinstance(saved, dict) and "by_size" not in saved and {"theta", "points"} <= saved.keys():
+            return False  # an older calibration, without per-size corrections: probe again
         theta = np.asarray(saved["theta"], dtype=float)  # [4]
         points = [tuple(map(float, p)) for p in saved["points"]]  # (flops, bytes, seconds) each
-        if theta.shape != (4,) or any(len(p) != 3 for p in points):
+        by_size = {int(n): [tuple(map(float, p)) for p in ps] for n, ps in saved["by_size"].items()}
+        if theta.shape != (4,) or any(len(p) != 3 for p in [*points, *(p for ps in by_size.values() for p in ps)]):
             raise ValueError("theta or points of the wrong size")
-    except (ValueError, KeyError, TypeError) as error:
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
         warnings.warn(f"{path} is not a latency calibration ({error!r}); re-measuring and overwriting it.", stacklevel=3)
         return False
-    model.theta, model.points = theta, points
+    model.theta, model.points, model.by_size = theta, points, by_size
+    model.correct()
     return True

@@ -4,12 +4,11 @@ Drafted steps keep their draft and other seconds (medians of the last `window` p
 so one slow step does not move them), their tokens per row and their whole time; tokens per
 step are noisier than times, so the throughput of drafting averages the last 4 windows. A
 decode's first drafted step is left out: it also reads the whole prompt into the drafter, and
-a mean seeded by it once priced drafting at 20 times its cost and turned drafting off for
-hundreds of steps.
+a mean seeded by it priced drafting far above its cost (experiments/NOTES.md).
 
 After an AR stretch the steps drafted before it are stale evidence: a retry is judged on the
 drafted steps measured since the stretch alone, or the window's old steps would outvote it
-and stretches would only ever grow (on MBPP that once left 89% of the steps AR).
+and stretches would only ever grow.
 """
 
 from __future__ import annotations

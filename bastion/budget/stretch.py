@@ -1,4 +1,4 @@
-"""Turning drafting off while it does not pay (every budget's `drafting_off`, base.py).
+"""Turning drafting off while it does not pay (every budget's `pause_drafting`, base.py).
 
 A drafter that loses to AR on some prompts (out of domain, or a machine whose multi-token
 forwards are expensive) should cost almost nothing there. After a step that says drafting

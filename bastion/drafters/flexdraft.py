@@ -18,7 +18,7 @@ Drafting runs after each verification (one extra, small forward: sequential) or 
 the verification forward (parallel), with one group per tree node (every possible accepted
 path), keeping only groups whose draft confidence passes *selective verification*. Which one a
 step runs, and whether it drafts at all, is the budget's decision (budget/base.py: `mode`,
-`drafting_off`; flex decoding is `budget.mode=flex`).
+`pause_drafting`; flex decoding is `budget.mode=flex`).
 """
 
 from __future__ import annotations

@@ -21,14 +21,14 @@ from bastion.tree.proposal import BlockProposal
 class NgramDrafter(Drafter):
     """Stateless: everything it needs is in the context, so the base class's bookkeeping suits it."""
 
-    def __init__(self, target=None, block_size: int = 8, max_ngram: int = 3, min_ngram: int = 1, top_k: int = 4, max_matches: int = 16):
+    def __init__(self, target=None, drafts: int = 8, max_ngram: int = 3, min_ngram: int = 1, top_k: int = 4, max_matches: int = 16):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"ngram sizes need 1 <= min_ngram <= max_ngram (got {min_ngram}, {max_ngram}).")
-        self.block_size, self.max_ngram, self.min_ngram = block_size, max_ngram, min_ngram
+        self.drafts, self.max_ngram, self.min_ngram = drafts, max_ngram, min_ngram
         self.top_k, self.max_matches = top_k, max_matches
 
     def propose(self, ctx: DraftContext) -> BlockProposal:
-        B, K, k = len(ctx.sequences), self.block_size, self.top_k
+        B, K, k = len(ctx.sequences), self.drafts, self.top_k
         tokens = torch.zeros(B, K, k, dtype=torch.long)
         logprobs = torch.full((B, K, k), -math.inf)
         for b, seq in enumerate(ctx.sequences):
@@ -48,5 +48,5 @@ class NgramDrafter(Drafter):
             windows = np.lib.stride_tricks.sliding_window_view(seq[:-1], n)  # starts with >= 1 token after
             starts = np.flatnonzero((windows == seq[-n:]).all(axis=1))[::-1][: self.max_matches]
             if len(starts):
-                return [seq[s + n : s + n + self.block_size].tolist() for s in starts]
+                return [seq[s + n : s + n + self.drafts].tolist() for s in starts]
         return []

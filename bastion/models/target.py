@@ -28,6 +28,7 @@ class Target:
     name: str
     config: object  # the transformers config the model was built from
     eos_ids: frozenset[int] = field(default_factory=frozenset)
+    chat_args: dict = field(default_factory=dict)  # the chat template's keyword arguments (Qwen3: enable_thinking)
 
     @property
     def args(self) -> ModelArgs:
@@ -83,9 +84,11 @@ def load_target(
     tokenizer: str | None = None,
     seed: int = 0,
     cache_dir: str | None = None,
+    chat_template_args: dict | None = None,
 ) -> Target:
     """Build a Target from a config entry (see conf/target/*.yaml and models/loading.py);
-    packaged models are converted under `cache_dir` (compose.build_target passes the run's)."""
+    packaged models are converted under `cache_dir` (compose.build_target passes the run's).
+    `chat_template_args` go to the tokenizer's chat template wherever a prompt is built."""
     from transformers import AutoConfig, AutoTokenizer
 
     if dtype not in DTYPES:
@@ -102,7 +105,7 @@ def load_target(
         config = _read_config(path)
         model = _load_model(path, config, torch_dtype, device)
         tok = AutoTokenizer.from_pretrained(resolve_source(tokenizer, cache_dir) if tokenizer else path)
-    return Target(model.eval(), tok, name, config, frozenset(_eos_ids(config, tok)))
+    return Target(model.eval(), tok, name, config, frozenset(_eos_ids(config, tok)), dict(chat_template_args or {}))
 
 
 def _read_config(path: Path):

@@ -129,11 +129,11 @@ def new_dflash_drafter(cfg: DictConfig, target, layers: tuple[int, ...], example
 
 def mask_token(cfg: DictConfig, target) -> int:
     """The target preset's mask token, else the tokenizer's own mask token."""
-    chosen = OmegaConf.select(cfg, "target.drafters.mask_token_id")
+    chosen = OmegaConf.select(cfg, "target.mask_token_id")
     if chosen is None:
         chosen = getattr(target.tokenizer, "mask_token_id", None)
     if chosen is None:
-        raise ValueError(f"Target {target.name} has no mask token: set target.drafters.mask_token_id to an unused special token id.")
+        raise ValueError(f"Target {target.name} has no mask token: set target.mask_token_id to an unused special token id.")
     return int(chosen)
 
 

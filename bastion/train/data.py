@@ -137,7 +137,7 @@ def chat_prompts(target: Target, count: int, cache: Path, seed: int = 0, *, batc
     template opens a user turn (the Magpie recipe), three in four continuing one of OPENERS.
     Without them a drafter learns math and code only, and MT-Bench's 80 questions are a test set."""
     tok = target.tokenizer
-    template = user_turn_prefix(tok)
+    template = user_turn_prefix(target)
 
     def round_prompts(round_: int) -> list[tuple[str | None, list[int], int]]:
         rng = random.Random(f"{seed}/chat/{round_}")
@@ -166,7 +166,7 @@ def followup_prompts(target: Target, count: int, cache: Path, chat_dir: Path, se
 
     def round_prompts(round_: int) -> list[tuple[int, list[int], int]]:
         picked = [(round_ * batch_size + j) % len(firsts) for j in range(min(batch_size, len(firsts)))]
-        return [(i, p, len(p)) for i in picked for p in [user_turn_prefix(tok, firsts[i])]]
+        return [(i, p, len(p)) for i in picked for p in [user_turn_prefix(target, firsts[i])]]
 
     requests = written_requests(target, count, cache / "requests.json", "follow-up request", round_prompts, seed,
                                 max_new_tokens)
@@ -209,13 +209,14 @@ def count_shards(source_dir: Path) -> int:
     return sum(len(shard_ids(s) or []) for s in sorted(source_dir.glob("shard_*")))
 
 
-def user_turn_prefix(tokenizer, history: Messages = ()) -> list[int]:
-    """Token ids of the chat template, after the conversation `history`, up to where the next
-    user message's text starts."""
+def user_turn_prefix(target: Target, history: Messages = ()) -> list[int]:
+    """Token ids of the target's chat template, after the conversation `history`, up to where
+    the next user message's text starts."""
+    tokenizer = target.tokenizer
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("The chat and followup training sources need a tokenizer with a chat template.")
     marker = "\x00MESSAGE\x00"
-    text = tokenizer.apply_chat_template([*history, user(marker)], tokenize=False)
+    text = tokenizer.apply_chat_template([*history, user(marker)], tokenize=False, **target.chat_args)
     return tokenizer.encode(text[: text.index(marker)], add_special_tokens=False)
 
 
@@ -240,7 +241,7 @@ def build_selfdistill(
         **({"top_ids": Array2D(shape=(None, top_k), dtype="int32"),
             "top_logprobs": Array2D(shape=(None, top_k), dtype="float16")} if top_k else {}),
     })
-    encoded = [(pid, chat_tokens(target.tokenizer, messages)) for pid, messages in prompts]
+    encoded = [(pid, chat_tokens(target, messages)) for pid, messages in prompts]
     # Sorted by length inside a batch: little prefill wasted on padding, same shards for any n.
     batches = [sorted(encoded[i : i + batch_size], key=lambda p: len(p[1])) for i in range(0, len(encoded), batch_size)]
     shards = [out_dir / f"shard_{k:05d}" for k in range(len(batches))]

@@ -1,0 +1,78 @@
+"""Host time per decode step: everything outside the target's forward, at paper-scale shapes.
+
+    python experiments/host_step.py                 # B in {1, 16} x N in {16, 256}
+    python experiments/host_step.py batches=[16] nodes=[256] budget=bastion
+
+A tiny random target (tiny_qwen3) keeps the forward itself small, and a drafter that proposes
+random candidates (16 positions x 16 per position, so best-first can build 256 nodes) costs
+nothing, so what is left of a step is the engine's and the budget's own work: building and
+sizing trees, packing them and their masks, acceptance, cache commits and bookkeeping. That is
+what a GPU step cannot hide (an 8B target's B=1 forward on an H200 takes ~3 ms). Printed per
+shape: the median step, its forward (verify) part, and the host rest, in ms.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from statistics import median
+
+import torch
+from hydra import compose, initialize_config_dir
+
+from bastion.compose import build, build_target, hardware
+from bastion.drafters.base import DraftContext, Drafter
+from bastion.engine import generate
+from bastion.tree.proposal import BlockProposal
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class RandomDrafter(Drafter):
+    """Random candidates with decreasing log-probabilities: trees of any size, no draft cost."""
+
+    def __init__(self, vocab: int, positions: int = 16, top_k: int = 16):
+        self.vocab, self.positions, self.top_k = vocab, positions, top_k
+        self.gen = torch.Generator().manual_seed(0)
+
+    def propose(self, ctx: DraftContext) -> BlockProposal:
+        B, K, k = len(ctx.sequences), self.positions, self.top_k
+        tokens = torch.randint(self.vocab, (B, K, k), generator=self.gen)
+        logprobs = -torch.arange(1, k + 1, dtype=torch.float32).expand(B, K, k) * 0.3
+        return BlockProposal([seq[-1] for seq in ctx.sequences], tokens, logprobs.clone())
+
+
+def parse(argv: list[str]) -> tuple[dict[str, list[int]], list[str]]:
+    lists, rest = {"batches": [1, 16], "nodes": [16, 256]}, []
+    for arg in argv:
+        key, _, value = arg.partition("=")
+        if key in lists:
+            lists[key] = [int(x) for x in value.strip("[]").split(",")]
+        else:
+            rest.append(arg)
+    return lists, rest
+
+
+def main(argv: list[str]) -> None:
+    lists, overrides = parse(argv)
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=["target=tiny_qwen3", "device=cpu", "tree=best_first", "budget=fixed", *overrides])
+    target = build_target(cfg)
+    drafter, policy = RandomDrafter(target.args.vocab_size), build(cfg.tree)
+    prompts = [[(7 * i + j) % 4000 + 100 for j in range(200)] for i in range(max(lists["batches"]))]
+    print(f"{target.name} on {cfg.device}, {cfg.budget.name.rstrip('0123456789')} budget, {torch.get_num_threads()} threads")
+    print(f"{'B':>3} {'N':>4} {'step ms':>8} {'forward ms':>10} {'host ms':>8}")
+    for B in lists["batches"]:
+        for N in lists["nodes"]:
+            node = cfg.budget.copy()
+            node["nodes" if "nodes" in node else "max_nodes"] = N
+            budget = build(node)
+            budget.start(target, hardware(cfg), Path(cfg.cache_dir))
+            steps = generate(target, prompts[:B], drafter=drafter, policy=policy, budget=budget, max_new_tokens=24).steps[2:]
+            total = median(s.draft_s + s.verify_s + s.other_s for s in steps)
+            forward = median(s.verify_s for s in steps)
+            print(f"{B:>3} {N:>4} {1e3 * total:>8.2f} {1e3 * forward:>10.2f} {1e3 * (total - forward):>8.2f}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
