@@ -154,27 +154,29 @@ def test_an_overconfident_drafter_gets_smaller_trees():
 
 def test_drafting_stops_while_no_tree_beats_ar_and_is_retried():
     """Before any measurement the forecast judges; a retry after an AR stretch is judged on
-    the drafted steps measured since the stretch alone, and each failed retry doubles the
-    next stretch."""
+    the drafted steps measured since the stretch alone (failing on its first, paying after
+    EVIDENCE), and each failed retry doubles the next stretch."""
     budget = controller(TRUE_CPU)
     budget.recent.drafted.append((0.03, 0.0, 1.0, 0.1))  # drafting costs ~half an AR step (one drafted step measured)
     weak = chain(8, 0.05)
     assert budget.drafts()
     budget.size([weak], [300])  # no size beats AR: an AR stretch of at least 8 steps follows
+    budget.observe(measured(0.1, accepted=1.0, a_hat=0.1, draft_s=0.003), [300], 9)  # the step it judged, measured after
     first = budget.stretch.left
     assert first >= 8 and [budget.drafts() for _ in range(first)] == [False] * (first - 1) + [True]  # the last one retries
 
-    def retry(seconds):  # drafted steps of 2 tokens until the budget judges them
-        for n in range(budget.recent.EVIDENCE + 1):
+    def retry(seconds):  # drafted steps of 2 tokens, each measured after it is sized: the step a stretch starts at
+        for n in range(budget.recent.EVIDENCE + 2):
             budget.size([weak], [300])
-            if budget.stretch.left:
-                return n
+            stopped = budget.stretch.left > 0
             budget.observe(measured(seconds, accepted=1.0, a_hat=0.1, draft_s=0.003), [300], 9)
+            if stopped:
+                return n
         return None
 
     for _ in range(3):
         budget.observe(measured(0.025, nodes=0), [300], 1)  # AR steps: 25 ms
-    assert retry(0.1) == budget.recent.EVIDENCE  # 2 tokens in 100 ms: judged once measured, it fails
+    assert retry(0.1) == 1  # 2 tokens in 100 ms: it fails on its first measured step
     assert budget.stretch.left == 2 * first
     assert [budget.drafts() for _ in range(2 * first)] == [False] * (2 * first - 1) + [True]
     assert retry(0.031) is None and budget.drafts()  # 2 tokens in 31 ms: drafting is back, whatever the forecast

@@ -74,7 +74,7 @@ class Budget:
         if pays < 1:
             self.stretch.failed(retry_cost=retry_cost)
             self.recent.restart()
-        else:
+        elif not self.recent.retrying or self.recent.fresh >= self.recent.EVIDENCE:
             self.stretch.paid()
 
     def parallel(self, width: int, inside: int, apart: int, contexts: list[int]) -> bool:

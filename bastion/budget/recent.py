@@ -35,8 +35,9 @@ class RecentSteps:
         self.first, self.retrying, self.fresh = True, False, 0
 
     def restart(self) -> None:
-        """An AR stretch starts: what was drafted before it no longer judges drafting."""
-        self.retrying, self.fresh = True, 0
+        """An AR stretch starts: what was drafted before it no longer judges drafting (the
+        drafted step that started it included: it is measured after this)."""
+        self.retrying, self.fresh = True, -1
 
     def observe(self, step) -> None:
         """Keep a measured step (engine.Step, drafted or AR)."""
@@ -71,11 +72,12 @@ class RecentSteps:
         return median(self.ar_s) if self.ar_s else forecast
 
     def speedup(self, forecast_ar_s: float) -> float | None:
-        """Tokens per row per second of the recent drafted steps (since the last stretch, when
-        retrying) over AR's (an AR step yields one token per row in ar_step_s); None before
-        EVIDENCE such steps."""
+        """Tokens per row per second of the recent drafted steps over AR's (an AR step yields
+        one token per row in ar_step_s); None before EVIDENCE such steps. While retrying, of
+        the steps since the last stretch, from the first: a retry that fails is stopped after
+        one measured step, while one that pays drafts on (a judgement needs EVIDENCE steps)."""
         n = min(self.fresh, len(self.drafted)) if self.retrying else len(self.drafted)
-        if n < self.EVIDENCE:
+        if n < (1 if self.retrying else self.EVIDENCE):
             return None
         last = list(self.drafted)[-n:]
         tokens = sum(t for _, _, t, _ in last) / n
