@@ -215,8 +215,7 @@ def _step(m: _Method, batch: _Batch) -> Step:
         hidden, features = m.target.forward(tokens, depths, tree_mask, cache, m.capture)
         width = 1
     else:  # the drafter's verification forward (FlexDraft drafts inside it where the budget says so)
-        inside, apart = m.drafter.parallel_tokens(trees)
-        parallel = inside > 0 and m.budget.parallel(tokens.shape[1], inside, apart, contexts)
+        parallel = m.budget.parallel(tokens.shape[1], lambda: m.drafter.parallel_tokens(trees), contexts)
         hidden, features, width = m.drafter.verify_forward(m.target, cache, trees, tokens, depths, tree_mask, m.capture, parallel)
     logits = m.target.logits(hidden)  # [B, M, V]
     t3 = now(device)

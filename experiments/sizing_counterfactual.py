@@ -22,6 +22,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from bastion.bench.datasets import chat_tokens, load_prompts
+from bastion.budget.controller import merge_best_first
 from bastion.budget.latency import probe_times
 from bastion.compose import build, build_target, hardware, packed, resolve_device
 from bastion.engine import generate
@@ -54,8 +55,8 @@ def main(argv: list[str]) -> None:
     size = budget.size
 
     def recording(trees, contexts):
-        counts, verify, _, _ = budget.curve(trees, contexts)
-        _, gained = counts, np.concatenate([[0.0], np.cumsum(np.exp(trees[0].logq[1:]))])
+        _, verify, _, _ = budget.curve(trees, contexts)
+        _, gained = merge_best_first(trees)
         chosen = size(trees, contexts)
         steps.append((contexts[0], trees[0], 1 + budget.acceptance_ratio * gained, verify, budget.recent.draft_s,
                       budget.recent.other_s, chosen[0].n_nodes))

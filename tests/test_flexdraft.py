@@ -90,11 +90,11 @@ def test_flex_mode_follows_the_latency_model(tiny_qwen3):
     assert (inside, apart) == (5 * 4, 4)  # every node kept: a group of 4 after each
     for cheaper in (True, False):
         budget = budget_with(tiny_qwen3, 4, synthetic_latency(tiny_qwen3, parallel_cheaper=cheaper), mode="flex")
-        assert budget.parallel(len(TREE.tokens), inside, apart, [100]) == cheaper
-    assert budget_with(tiny_qwen3, 4, mode="parallel").parallel(5, inside, apart, [100])
-    assert not budget_with(tiny_qwen3, 4, mode="sequential").parallel(5, inside, apart, [100])
+        assert budget.parallel(len(TREE.tokens), lambda: (inside, apart), [100]) == cheaper
+    assert budget_with(tiny_qwen3, 4, mode="parallel").parallel(5, lambda: (inside, apart), [100])
+    assert not budget_with(tiny_qwen3, 4, mode="sequential").parallel(5, lambda: (inside, apart), [100])
     with pytest.raises(ValueError, match="budget.mode=flex and pause_drafting=False need a latency model"):
-        budget_with(tiny_qwen3, 4, mode="flex").parallel(5, inside, apart, [100])
+        budget_with(tiny_qwen3, 4, mode="flex").parallel(5, lambda: (inside, apart), [100])
 
 
 @pytest.mark.parametrize("mode", ["sequential", "parallel", "flex"])

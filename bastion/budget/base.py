@@ -77,11 +77,16 @@ class Budget:
         elif not self.recent.retrying or self.recent.fresh >= self.recent.EVIDENCE:
             self.stretch.paid()
 
-    def parallel(self, width: int, inside: int, apart: int, contexts: list[int]) -> bool:
+    def parallel(self, width: int, tokens, contexts: list[int]) -> bool:
         """Draft inside this step's verification forward (one forward of width + inside tokens
-        per row) rather than after it (forwards of width and of apart tokens)?"""
-        if self.mode != "flex":
-            return self.mode == "parallel"
+        per row) rather than after it (forwards of width and of apart tokens)? `tokens()` gives
+        (inside, apart), (0, 0) for a drafter that cannot; asked only when the mode needs it,
+        since it walks every tree."""
+        if self.mode == "sequential":
+            return False
+        inside, apart = tokens()
+        if not inside or self.mode == "parallel":
+            return inside > 0
         return float(self.predict(width + inside, contexts)) < float(self.predict(width, contexts) + self.predict(apart, contexts))
 
     def predict(self, tokens, contexts: list[int]) -> np.ndarray:
