@@ -79,7 +79,7 @@ def build_target(cfg: DictConfig, dtype: str | None = None):
     prepacked for CPU inference when `packed_weights` is on (see models/packed_linear.py; a
     no-op on GPU). A packaged model is converted under the run's cache_dir."""
     node = cfg.target if dtype is None else OmegaConf.merge(cfg.target, {"dtype": dtype})
-    return packed(cfg, build(node, name=cfg.target.name, cache_dir=cfg.cache_dir))
+    return packed(cfg, build(node, name=cfg.target.name, cache_dir=cfg.cache_dir, attention=cfg.get("attention", "auto")))
 
 
 def packed(cfg: DictConfig, target_or_drafter):
@@ -176,7 +176,7 @@ def method_settings(cfg: DictConfig, plan: MethodPlan) -> dict:
     """What shapes a method's records: the target, decoding, seed and machine settings, and
     for drafting methods the drafter (with a digest of its checkpoint's files), tree and budget."""
     settings = {key: OmegaConf.to_container(cfg[key], resolve=True) if OmegaConf.is_config(cfg[key]) else cfg[key]
-                for key in ("target", "decode", "seed", "threads", "packed_weights")}
+                for key in ("target", "decode", "seed", "threads", "packed_weights", "attention")}
     settings["device"] = cfg.device.split(":")[0]  # cpu or cuda: torchrun's ranks run one cuda:N each, alike
     if plan.node is not None:
         for group, node in (("drafter", plan.node.drafter), ("tree", plan.node.tree), ("budget", plan.budget),

@@ -284,8 +284,7 @@ def _prefill(target: Target, rows: list[list[int]], cache, capture: tuple[int, .
         B, width = len(chunk), len(chunk[-1])
         tokens = torch.tensor([p + [0] * (width - len(p)) for p in chunk], device=device)
         depths = torch.arange(width, device=device).expand(B, width)
-        causal = torch.ones(width, width, dtype=torch.bool, device=device).tril().expand(B, width, width)
-        hidden, captured = target.forward(tokens, depths, causal, cache.row_range(start, stop), capture)
+        hidden, captured = target.forward(tokens, depths, None, cache.row_range(start, stop), capture)
         last_hidden.append(hidden[torch.arange(B, device=device), torch.tensor([len(p) - 1 for p in chunk], device=device)])
         if capture:
             if features is None:

@@ -214,7 +214,7 @@ def calibrated(target, hw: HardwareProfile, cache_dir: Path, use_cache: bool = T
     attention backend: a fit made elsewhere is never reused."""
     model = LatencyModel.from_profile(target.args, target.dtype, hw)
     machine = device_name(str(target.device)) + ("" if target.device.type == "cuda" else f"-{torch.get_num_threads()}threads")
-    parts = (machine, hw.name, target.name, str(target.dtype).removeprefix("torch."), linear_kernels(target.model), "sdpa")
+    parts = (machine, hw.name, target.name, str(target.dtype).removeprefix("torch."), linear_kernels(target.model), target.attention)
     path = Path(cache_dir) / "latency" / f"{re.sub(r'[^A-Za-z0-9._-]+', '_', '__'.join(parts))}.json"
     if not (use_cache and read_calibration(path, model)):
         started = time.perf_counter()

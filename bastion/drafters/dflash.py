@@ -80,11 +80,11 @@ class DFlashDrafter(nn.Module, Drafter):
         device = self.fc.weight.device
         block = torch.full((B, K), self.mask_token_id, device=device)
         block[:, 0] = torch.tensor(roots, device=device)
-        write_pos, mask = self.cache.prepare(torch.ones(B, K, K, dtype=torch.bool, device=device))
+        write_pos, layout = self.cache.prepare(K, torch.ones(B, K, K, dtype=torch.bool, device=device))
         x = self.embed(block)
         cos, sin = self.rotary(write_pos, x.dtype)  # a block token's position is its cache slot
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, mask, partial(self.cache.write, i, write_pos=write_pos, s_view=mask.shape[-1]))
+            x = layer(x, cos, sin, layout, partial(self.cache.write, i, write_pos=write_pos, s_view=layout.n_keys))
         logits = self.logits(self.norm(x)[:, 1:])  # [B, K-1, V]: the root needs no draft
         return top_candidates(logits, roots, self.top_k)
 

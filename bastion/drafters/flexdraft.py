@@ -28,11 +28,11 @@ import math
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from bastion.drafters.base import DraftContext, Drafter
 from bastion.drafters.checkpoint import read_checkpoint, save_checkpoint
+from bastion.models.attention import attend
 from bastion.models.kv_cache import KVCache
 from bastion.models.target import Target
 from bastion.tree.draft_tree import DraftTree
@@ -81,7 +81,7 @@ class FlexDraftDrafter(nn.Module, Drafter):
     def run_layers(self, x, positions, mask, is_mask, extend_kv, layers: range | None = None):
         """Target layers over clean and mask tokens together. x: [B, N, h]; is_mask: [B, N, 1]
         (None: every token is a mask, and the target's own projections are not computed);
-        mask: [B, 1, N, S]; extend_kv(layer) -> the K/V extender of that layer. `layers`: a
+        mask: a Layout or a dense [B, 1, N, S] mask (models/attention.py); extend_kv(layer) -> the K/V extender of that layer. `layers`: a
         range of them (all by default); the final norm follows the last."""
         model = self.target.model
         layers = range(len(model.layers)) if layers is None else layers
@@ -96,8 +96,7 @@ class FlexDraftDrafter(nn.Module, Drafter):
             k, v = _per_token(is_mask, lambda a: a.keys_values(h, cos, sin), tuned, attn, heads=True)
             k, v = extend_kv(i)(k, v)
             (q,) = _per_token(is_mask, lambda a: (a.queries(h, cos, sin),), tuned, attn, heads=True)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
-            out = out.transpose(1, 2).flatten(2)
+            out = attend(q, k, v, mask)
             (o,) = _per_token(is_mask, lambda a: (a.o_proj(out),), tuned, attn, heads=False)
             x = x + o
             x = x + layer.mlp(layer.post_attention_layernorm(x))
@@ -182,7 +181,7 @@ class FlexDraftDrafter(nn.Module, Drafter):
         B, G = len(cache.lengths), self.group_size
         device = self.mask_embedding.device
         tree_mask = torch.ones(B, G, G, dtype=torch.bool, device=device)
-        write_pos, mask = cache.prepare(tree_mask)
+        write_pos, mask = cache.prepare(G, tree_mask)
         x = self.mask_embedding.expand(B, G, -1)
         hidden = self.run_layers(x, write_pos, mask, None, lambda i: _writer(cache, i, write_pos, mask))
         return [hidden[b] for b in rows]
@@ -219,7 +218,7 @@ class FlexDraftDrafter(nn.Module, Drafter):
                     full[b, s : s + G, :M] = tree_mask[b, nodes[g]]
                     group_depth[b, g] = depths[b, nodes[g]] + 1
         x = torch.cat([self.target.model.embed_tokens(tokens), self.mask_embedding.expand(B, n_groups * G, -1)], dim=1)
-        write_pos, mask = cache.prepare(full)
+        write_pos, mask = cache.prepare(N, full)
         base = write_pos[:, :1]  # the root's slot is its position
         mask_pos = (base + group_depth)[:, :, None] + torch.arange(G, device=device)
         positions = torch.cat([base + depths, mask_pos.flatten(1)], dim=1)
@@ -269,7 +268,7 @@ def _per_token(is_mask, project, tuned, attn, heads: bool) -> tuple[torch.Tensor
 
 
 def _writer(cache: KVCache, layer: int, write_pos, mask):
-    return lambda k, v: cache.write(layer, k, v, write_pos, mask.shape[-1])
+    return lambda k, v: cache.write(layer, k, v, write_pos, mask.n_keys)
 
 
 def load_flexdraft(target: Target, checkpoint: str | None, selection: str = "min_confidence", threshold: float = 0.1,

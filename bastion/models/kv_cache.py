@@ -13,33 +13,31 @@ import copy
 
 import torch
 
+from bastion.models.attention import Layout
+
 
 class KVCache:
-    def __init__(self, n_layers, batch, n_kv_heads, head_dim, capacity, dtype, device):
+    def __init__(self, n_layers, batch, n_kv_heads, head_dim, capacity, dtype, device, kernel: str = "sdpa"):
         shape = (n_layers, batch, n_kv_heads, capacity, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, B, Hkv, S, D]
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.lengths = [0] * batch  # verified tokens per row
         self.capacity = capacity
+        self.kernel = kernel  # the attention kernel its layouts ask for (models/attention.py)
 
     @property
     def device(self) -> torch.device:
         return self.k.device
 
-    def prepare(self, tree_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """For a forward of N new tokens per row with `tree_mask` [B, N, N] (True where token i
-        may see token j), return the cache slots they are written to [B, N] and the attention
-        mask [B, 1, N, S] over the verified prefix plus the new tokens."""
-        B, N, _ = tree_mask.shape
-        if max(self.lengths) + N > self.capacity:
-            raise RuntimeError(f"KV cache overflow: {max(self.lengths)} + {N} tokens > capacity {self.capacity}")
-        s_view = max(self.lengths) + N
+    def prepare(self, n_new: int, tree_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, Layout]:
+        """For a forward of `n_new` tokens per row, seeing each other as `tree_mask` [B, N, N]
+        says (True where token i may see token j; None: causally), return the cache slots they
+        are written to [B, N] and their attention Layout over the verified prefix and themselves."""
+        if max(self.lengths) + n_new > self.capacity:
+            raise RuntimeError(f"KV cache overflow: {max(self.lengths)} + {n_new} tokens > capacity {self.capacity}")
         lengths = torch.tensor(self.lengths, device=self.device)
-        write_pos = lengths[:, None] + torch.arange(N, device=self.device)  # [B, N]
-        columns = torch.arange(s_view, device=self.device)
-        mask = (columns[None, None, :] < lengths[:, None, None]).expand(B, N, s_view).clone()
-        mask.scatter_(2, write_pos[:, None, :].expand(B, N, N), tree_mask)
-        return write_pos, mask[:, None]
+        write_pos = lengths[:, None] + torch.arange(n_new, device=self.device)  # [B, N]
+        return write_pos, Layout(lengths, tree_mask, n_new, max(self.lengths) + n_new, self.kernel)
 
     def store(self, layer: int, k, v, write_pos) -> None:
         """k, v: [B, Hkv, N, D] into slots write_pos [B, N] of `layer` (cast to the cache's dtype:

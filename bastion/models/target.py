@@ -10,6 +10,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
 from bastion.files import read_json
+from bastion.models.attention import choose_kernel
 from bastion.models.kv_cache import KVCache
 from bastion.models.loading import resolve_source
 from bastion.models.transformer import ModelArgs, Rotary, Transformer
@@ -29,6 +30,7 @@ class Target:
     config: object  # the transformers config the model was built from
     eos_ids: frozenset[int] = field(default_factory=frozenset)
     chat_args: dict = field(default_factory=dict)  # the chat template's keyword arguments (Qwen3: enable_thinking)
+    attention: str = "sdpa"  # the attention kernel of its forwards (models/attention.py)
 
     @property
     def args(self) -> ModelArgs:
@@ -44,19 +46,19 @@ class Target:
 
     def new_cache(self, batch: int, capacity: int) -> KVCache:
         a = self.args
-        return KVCache(a.n_layers, batch, a.n_kv_heads, a.head_dim, capacity, self.dtype, self.device)
+        return KVCache(a.n_layers, batch, a.n_kv_heads, a.head_dim, capacity, self.dtype, self.device, self.attention)
 
     @torch.inference_mode()
     def forward(self, tokens, depths, tree_mask, cache: KVCache, capture: tuple[int, ...] = ()):
         """Run N new tokens per row after each row's verified prefix.
 
         tokens, depths: [B, N] (depth = offset from the row's next free position); tree_mask:
-        [B, N, N]. The tokens' KV is written to the cache but kept only by `cache.commit`.
-        Returns final hidden states [B, N, h] and the `capture` layers' outputs [B, N, F].
+        [B, N, N], or None for tokens that see each other causally (a prompt). The tokens' KV is
+        written to the cache but kept only by `cache.commit`. Returns final hidden states [B, N, h] and the `capture` layers' outputs [B, N, F].
         """
-        write_pos, mask = cache.prepare(tree_mask)
-        positions = torch.tensor(cache.lengths, device=self.device)[:, None] + depths
-        return self.model(tokens, positions, mask, cache, write_pos, capture)
+        write_pos, layout = cache.prepare(tokens.shape[1], tree_mask)
+        positions = layout.prefix[:, None] + depths
+        return self.model(tokens, positions, layout, cache, write_pos, capture)
 
     @torch.inference_mode()
     def score(self, sequence: list[int]) -> torch.Tensor:
@@ -64,9 +66,8 @@ class Target:
         that every cached, tree-shaped or batched forward must reproduce."""
         n = len(sequence)
         cache = self.new_cache(1, n)
-        causal = torch.ones(1, n, n, dtype=torch.bool, device=self.device).tril()
         depths = torch.arange(n, device=self.device)[None]
-        hidden, _ = self.forward(torch.tensor([sequence], device=self.device), depths, causal, cache)
+        hidden, _ = self.forward(torch.tensor([sequence], device=self.device), depths, None, cache)
         return self.logits(hidden[0])
 
     @torch.inference_mode()
@@ -85,14 +86,17 @@ def load_target(
     seed: int = 0,
     cache_dir: str | None = None,
     chat_template_args: dict | None = None,
+    attention: str = "auto",
 ) -> Target:
     """Build a Target from a config entry (see conf/target/*.yaml and models/loading.py);
     packaged models are converted under `cache_dir` (compose.build_target passes the run's).
-    `chat_template_args` go to the tokenizer's chat template wherever a prompt is built."""
+    `chat_template_args` go to the tokenizer's chat template wherever a prompt is built;
+    `attention` names the attention kernel (auto: the device's; models/attention.py)."""
     from transformers import AutoConfig, AutoTokenizer
 
     if dtype not in DTYPES:
         raise ValueError(f"Unknown dtype '{dtype}'; choose one of {', '.join(DTYPES)}.")
+    choose_kernel(attention, device)  # an unknown kernel is refused before any weights load
     torch_dtype = DTYPES[dtype]
     if source == "random":
         if hf_config is None:
@@ -105,7 +109,8 @@ def load_target(
         config = _read_config(path)
         model = _load_model(path, config, torch_dtype, device)
         tok = AutoTokenizer.from_pretrained(resolve_source(tokenizer, cache_dir) if tokenizer else path)
-    return Target(model.eval(), tok, name, config, frozenset(_eos_ids(config, tok)), dict(chat_template_args or {}))
+    return Target(model.eval(), tok, name, config, frozenset(_eos_ids(config, tok)), dict(chat_template_args or {}),
+                  choose_kernel(attention, device))
 
 
 def _read_config(path: Path):

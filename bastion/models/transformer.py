@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bastion.models.attention import Layout, attend
 from bastion.models.kv_cache import KVCache
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
@@ -148,21 +149,14 @@ class Attention(nn.Module):
             k = self.k_norm(k)
         return apply_rotary(k.transpose(1, 2), cos, sin), v
 
-    def forward(self, x, cos, sin, mask, extend_kv=None):
-        """mask: [B, 1, N, S] bool (True = may attend). `extend_kv(k, v)` returns the keys and
+    def forward(self, x, cos, sin, mask: Layout | torch.Tensor, extend_kv=None):
+        """mask: a Layout or a dense [B, 1, N, S] bool mask (models/attention.py). `extend_kv(k, v)` returns the keys and
         values to attend over, the new ones included (a KV cache write, or a drafter's context);
         without it tokens attend among themselves."""
         k, v = self.keys_values(x, cos, sin)
         if extend_kv is not None:
             k, v = extend_kv(k, v)
         return self.o_proj(attend(self.queries(x, cos, sin), k, v, mask))
-
-
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """q: [B, H, N, D], k/v: [B, Hkv, S, D], mask: [B, 1, N, S] -> [B, N, H*D]."""
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
-    B, H, N, D = out.shape
-    return out.transpose(1, 2).reshape(B, N, H * D)
 
 
 class MLP(nn.Module):
@@ -207,7 +201,7 @@ class Transformer(nn.Module):
         self,
         tokens: torch.Tensor,  # [B, N]
         positions: torch.Tensor,  # [B, N] absolute positions
-        mask: torch.Tensor,  # [B, 1, N, S] bool
+        layout: Layout,  # who attends to what (models/attention.py)
         cache: KVCache | None = None,
         write_pos: torch.Tensor | None = None,  # [B, N] cache slots for the new tokens
         capture: tuple[int, ...] = (),
@@ -218,8 +212,8 @@ class Transformer(nn.Module):
         cos, sin = self.rotary(positions, x.dtype)
         captured = {}
         for i, layer in enumerate(self.layers):
-            extend = partial(cache.write, i, write_pos=write_pos, s_view=mask.shape[-1]) if cache is not None else None
-            x = layer(x, cos, sin, mask, extend)
+            extend = partial(cache.write, i, write_pos=write_pos, s_view=layout.n_keys) if cache is not None else None
+            x = layer(x, cos, sin, layout, extend)
             if i in capture:
                 captured[i] = x
         features = torch.cat([captured[i] for i in capture], dim=-1) if capture else None

@@ -29,9 +29,8 @@ def group_loss(drafter: FlexDraftDrafter, batch, gamma: float):
     M, G = anchors.shape[1], drafter.group_size
     with torch.no_grad():  # the clean tokens' keys and values, once, without gradient
         cache = target.new_cache(B, S)
-        causal = torch.ones(B, S, S, dtype=torch.bool).tril()
-        write_pos, mask = cache.prepare(causal)
-        target.model(tokens, write_pos, mask, cache, write_pos)
+        write_pos, layout = cache.prepare(S)
+        target.model(tokens, write_pos, layout, cache, write_pos)
     block = torch.arange(M * G) // G
     sees_clean = torch.arange(S)[None, None, :] < anchors.repeat_interleave(G, dim=1)[:, :, None]
     sees_group = (block[:, None] == block[None, :]).expand(B, M * G, M * G)

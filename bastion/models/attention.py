@@ -1,0 +1,104 @@
+"""Attention over a KV cache whose rows hold different numbers of verified tokens.
+
+A forward's N new tokens per row sit at key slots prefix[b] .. prefix[b] + N - 1, right after
+the row's verified tokens; each sees every verified token and the new tokens its row of `tree`
+allows (a draft tree's ancestors, a prompt chunk's earlier tokens). `Layout` says exactly that
+in B x N x N bits, so kernels that never build a score matrix (FlexAttention, Triton) can read
+it at paper scale, where a dense float32 score tensor per layer does not fit (B=16, 32 heads,
+N=257, S=4353: 2.3 GB). SDPA, the CPU path, gets the dense [B, 1, N, S] mask built from it;
+drafters that attend over their own context pass such dense masks directly.
+
+Kernels: `sdpa` (PyTorch's scaled_dot_product_attention; with no tree and nothing verified it is
+plain causal attention and takes no mask, so a prefill reaches the flash kernel on GPUs), `flex`
+(FlexAttention over a block mask from the layout, compiled) and `triton` (our tree attention,
+models/triton_attention.py). `auto` is flex on CUDA and sdpa elsewhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache, cached_property
+
+import torch
+import torch.nn.functional as F
+
+KERNELS = ("sdpa", "flex", "triton")
+
+
+def choose_kernel(name: str, device: torch.device | str) -> str:
+    """`auto` -> the kernel for `device`; a named kernel as given, once known to exist."""
+    if name == "auto":
+        return "flex" if torch.device(device).type == "cuda" else "sdpa"
+    if name not in KERNELS:
+        raise ValueError(f"Unknown attention kernel '{name}'; choose auto, {', '.join(KERNELS)}.")
+    return name
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Which key slots each of a forward's new tokens may attend to."""
+
+    prefix: torch.Tensor  # [B] long: verified tokens per row, in slots 0 .. prefix[b] - 1
+    tree: torch.Tensor | None  # [B, N, N] bool: new token i sees new token j; None: causal
+    n_new: int  # N
+    n_keys: int  # S: key slots attended over, the longest prefix + N
+    kernel: str = "sdpa"
+
+    @property
+    def causal_only(self) -> bool:
+        """No tree and no row has verified tokens: plain causal attention over the N tokens."""
+        return self.tree is None and self.n_keys == self.n_new
+
+    def dense(self) -> torch.Tensor:
+        """[B, 1, N, S] bool: True where a new token may attend."""
+        B, N, S = self.prefix.shape[0], self.n_new, self.n_keys
+        device = self.prefix.device
+        offset = torch.arange(S, device=device)[None, :] - self.prefix[:, None]  # [B, S]: index among the new tokens
+        if self.tree is None:
+            return (offset[:, None, :] <= torch.arange(N, device=device)[None, :, None])[:, None]
+        among = self.tree.gather(2, offset.clamp(0, N - 1)[:, None, :].expand(B, N, S))  # [B, N, S]
+        return ((offset < 0)[:, None, :] | ((offset < N)[:, None, :] & among))[:, None]
+
+    @cached_property
+    def block_mask(self):
+        """FlexAttention's block mask, built once per forward and shared by every layer."""
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        prefix, tree, N = self.prefix, self.tree, self.n_new
+        if tree is None:
+            def visible(b, h, i, s):
+                return s <= prefix[b] + i
+        else:
+            def visible(b, h, i, s):
+                j = s - prefix[b]
+                return (j < 0) | ((j < N) & tree[b, i, j.clamp(0, N - 1)])
+        return create_block_mask(visible, len(prefix), None, N, self.n_keys, device=prefix.device)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Layout | torch.Tensor) -> torch.Tensor:
+    """q: [B, H, N, D], k/v: [B, Hkv, S, D]; mask: a Layout, or a dense [B, 1, N, S] bool mask
+    (True = may attend) -> [B, N, H*D]."""
+    gqa = q.shape[1] != k.shape[1]
+    if isinstance(mask, torch.Tensor):
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    elif mask.kernel == "flex":
+        out = _flex()(q, k, v, block_mask=mask.block_mask, enable_gqa=gqa)
+    elif mask.kernel == "triton":
+        from bastion.models.triton_attention import tree_attention
+
+        out = tree_attention(q, k, v, mask.prefix, mask.tree)
+    elif mask.causal_only:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense(), enable_gqa=gqa)
+    B, H, N, D = out.shape
+    return out.transpose(1, 2).reshape(B, N, H * D)
+
+
+@cache
+def _flex():
+    """FlexAttention compiled once per process (eager flex is a dense reference implementation);
+    dynamic shapes, since every decode step has its own N and S."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=True)
