@@ -1,4 +1,5 @@
-"""Writing and reading back the files a run keeps: caches, training states, checkpoints.
+"""Writing and reading back the files a run keeps: caches, training states, checkpoints,
+converted models and training data.
 
 A kill mid-write must not leave a file that breaks every later run, so each is written under a
 temporary name beside it and renamed over it (a rename within one folder is atomic: readers see
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -30,6 +32,44 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+@contextmanager
+def atomic_dir(path: str | Path, finished: str) -> Iterator[Path]:
+    """A fresh folder beside `path` to build it in: it becomes `path` in one rename when the
+    block ends without error, so `path` is complete whenever it exists, and is removed when it
+    raises. Its name is hidden and carries the process id (parallel test workers convert one
+    model at once); those that killed processes left are removed first. Another process may have
+    published `path` meanwhile (it holds `finished`, a file only a complete one has): theirs is
+    kept. A block that rebuilds `path` removes the old one last."""
+    path = Path(path)
+    for stale in path.parent.glob(f".{path.name}.partial-*"):
+        pid = stale.name.rsplit("-", 1)[1]
+        if pid.isdigit() and not running(int(pid)):
+            shutil.rmtree(stale, ignore_errors=True)
+    tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+        try:
+            tmp.rename(path)
+        except OSError:
+            if not (path / finished).exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def running(pid: int) -> bool:
+    """Whether process `pid` is alive (a folder it builds is still in use)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        pass
+    return True
 
 
 def atomic_write_text(path: str | Path, text: str) -> None:

@@ -26,9 +26,9 @@ from tests.helpers import ar_outputs, assert_same_tokens
 from tests.test_lossless import random_prompts
 
 
-def random_drafter(target, layers=2, block_size=5, seed=0) -> DFlashDrafter:
+def random_drafter(target, layers=2, block_size=5, seed=0, mask_token_id=16) -> DFlashDrafter:
     torch.manual_seed(seed)
-    config = new_dflash_config(target, layers, block_size, [0, 1], mask_token_id=16)
+    config = new_dflash_config(target, layers, block_size, [0, 1], mask_token_id=mask_token_id)
     return DFlashDrafter(config, target).to(target.dtype).eval()
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -91,31 +92,32 @@ def test_impossible_budget_fails_before_loading_the_model():
 def test_a_packaged_model_converted_by_another_process_meanwhile_is_kept(tmp_path):
     """Parallel test workers convert the packaged GGUF at once: the first to finish publishes
     it, the others drop their copy instead of failing or replacing it."""
-    from bastion.models.loading import _publish
+    from bastion.files import atomic_dir
 
-    def converted(path, text):
-        path.mkdir()
-        (path / "model.safetensors").write_text(text)
-        return path
-
-    out = converted(tmp_path / "model", "first")
-    late = converted(tmp_path / "model.partial-2", "second")
-    _publish(late, out)
-    assert (out / "model.safetensors").read_text() == "first" and not late.exists()
-    _publish(converted(tmp_path / "other.partial-3", "only"), tmp_path / "other")
-    assert (tmp_path / "other" / "model.safetensors").read_text() == "only"
+    out = tmp_path / "model"
+    for text in ("first", "second"):
+        with atomic_dir(out, "model.safetensors") as tmp:
+            (tmp / "model.safetensors").write_text(text)
+    assert (out / "model.safetensors").read_text() == "first" and os.listdir(tmp_path) == ["model"]
     with pytest.raises(OSError):  # a non-empty `out` without a model is not someone's finished work
         (tmp_path / "broken").mkdir()
         (tmp_path / "broken" / "junk").write_text("x")
-        _publish(converted(tmp_path / "broken.partial-4", "mine"), tmp_path / "broken")
+        with atomic_dir(tmp_path / "broken", "model.safetensors") as tmp:
+            (tmp / "model.safetensors").write_text("mine")
+    assert sorted(os.listdir(tmp_path)) == ["broken", "model"]  # nothing half-built left beside them
 
 
-def test_only_conversions_of_dead_processes_count_as_stale():
-    import os
+def test_only_conversions_of_dead_processes_count_as_stale(tmp_path):
+    from bastion.files import atomic_dir, running
 
-    from bastion.models.loading import _running
-
-    assert _running(os.getpid()) and not _running(2**22 + 1)  # above Linux's largest pid
+    assert running(os.getpid()) and not running(2**22 + 1)  # above Linux's largest pid
+    dead, alive = tmp_path / f".model.partial-{2**22 + 1}", tmp_path / f".model.partial-{os.getppid()}"
+    dead.mkdir()
+    alive.mkdir()
+    with pytest.raises(KeyboardInterrupt):
+        with atomic_dir(tmp_path / "model", "model.safetensors"):
+            raise KeyboardInterrupt  # a kill mid-conversion
+    assert os.listdir(tmp_path) == [alive.name]
 
 
 def composed(*overrides, config="config"):

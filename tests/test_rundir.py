@@ -5,9 +5,11 @@ reproducible and checked for losslessness."""
 from __future__ import annotations
 
 import json
+import re
 
 import pandas as pd
 import pytest
+import torch
 
 from bastion.bench.datasets import Prompt
 from bastion.bench.provenance import read_summary
@@ -59,6 +61,33 @@ def test_another_checkpoint_under_the_same_method_name_is_refused(tmp_path):
         check_run_dir(run, {"dflash+chain+fixed4": {"drafter_files": "other"}})
 
 
+def test_a_local_target_whose_weights_were_replaced_is_refused(tmp_path):
+    """A local target dir is known by its files, not its path: new weights in place (another
+    header or size) refuse the rerun. Its weights are not read, only their headers."""
+    from safetensors.torch import save_file
+
+    from bastion.compose import method_settings, plan_methods
+    from tests.test_errors import composed
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    save_file({"w": torch.zeros(2, 2)}, model / "model.safetensors")
+    cfg = composed("target=tiny_qwen3", f"target.source={model}")
+    ar = plan_methods(cfg)[0]
+    first = method_settings(cfg, ar)
+    run = tmp_path / "run"
+    check_run_dir(run, {"ar": first})
+    (run / "results.jsonl").write_text(json.dumps({"method": "ar"}) + "\n")
+    save_file({"w": torch.zeros(2, 2)}, model / "model.safetensors")
+    check_run_dir(run, {"ar": method_settings(cfg, ar)})  # the same files: resumes
+    save_file({"w": torch.zeros(3, 3)}, model / "model.safetensors")
+    with pytest.raises(ValueError, match=f"'ar' made with other settings \\(target_files {first['target_files']} -> "):
+        check_run_dir(run, {"ar": method_settings(cfg, ar)})
+    for source in ("random", "HuggingFaceTB/SmolLM2-135M-Instruct", "packaged:smollm2_135m"):
+        assert "target_files" not in method_settings(composed("target=tiny_qwen3", f"target.source={source}"), ar)
+
+
 def test_records_of_an_older_version_are_not_resumed(tmp_path):
     (tmp_path / "results.jsonl").write_text(json.dumps({"method": "ar"}) + "\n")
     with pytest.raises(ValueError, match="settings this version did not record"):
@@ -70,17 +99,44 @@ def test_a_second_writer_is_refused(tmp_path):
         with pytest.raises(ValueError, match=r"Another run \(pid \d+\) is writing to"):
             with locked(tmp_path):
                 pass
-        with locked(tmp_path, ".rank1"):  # torchrun's ranks write shards of their own
-            pass
+        with pytest.raises(ValueError, match=r"Another run \(pid \d+\) is writing to"):  # nor a torchrun rank
+            with locked(tmp_path, ".rank1"):
+                pass
     with locked(tmp_path):  # released
         pass
 
 
-def test_a_second_run_process_is_refused(tmp_path):
-    with locked(tmp_path):
+def test_torchrun_ranks_share_the_run_dir_and_exclude_a_plain_run(tmp_path):
+    """Ranks write shards of their own side by side; a plain run (which, with fresh=true,
+    would move their shards aside) is refused while any rank writes, and so is a second copy
+    of one rank."""
+    with locked(tmp_path, ".rank0"), locked(tmp_path, ".rank1"):
+        with pytest.raises(ValueError, match=f"^A torchrun job is writing to {tmp_path}; wait"):
+            with locked(tmp_path):
+                pass
+        with pytest.raises(ValueError, match=r"Another run \(pid \d+\) is writing to"):
+            with locked(tmp_path, ".rank1"):
+                pass
+    with pytest.raises(ValueError, match="A torchrun job is writing to"):  # until the last rank is done
+        with locked(tmp_path, ".rank0"), locked(tmp_path):
+            pass
+    with locked(tmp_path):  # all released
+        pass
+
+
+@pytest.mark.parametrize("shard, holder", [("", r"Another run \(pid \d+\)"), (".rank0", "A torchrun job")])
+def test_a_second_run_process_is_refused(tmp_path, shard, holder):
+    with locked(tmp_path, shard):
         result = run_py(*ARGS, f"hydra.run.dir={tmp_path}")
-    assert result.returncode == 2 and "is writing to" in result.stderr
+    assert result.returncode == 2 and re.search(f"{holder} is writing to", result.stderr)
     assert not (tmp_path / "results.jsonl").exists()
+
+
+@pytest.mark.parametrize("text", ["[]", "3", '{"ar": 3}', '{"ar": {"fingerprint": "x"}}'])
+def test_a_settings_file_of_another_shape_is_named(tmp_path, text):
+    (tmp_path / "methods.json").write_text(text)
+    with pytest.raises(ValueError, match=f"^{re.escape(str(tmp_path / 'methods.json'))} does not hold each method's settings"):
+        check_run_dir(tmp_path, {"ar": {"seed": 0}})
 
 
 def test_duplicate_prompt_ids_are_refused_before_the_model_loads(tmp_path):
@@ -109,6 +165,30 @@ def test_a_blank_speedup_says_why(tmp_path):
     summary = summarize_run(tmp_path, {"b": [Prompt("p1", ("q",)), Prompt("p2", ("q",))]}).set_index("method")
     assert pd.isna(summary.loc["m", "speedup"])
     assert summary.loc["m", "note"] == "speedup blank: 0 of its 1 prompts have no AR record, 1 of AR's 2 have none of its"
+
+
+def test_a_summary_write_cut_short_leaves_the_previous_one_and_a_broken_one_is_named(tmp_path, monkeypatch):
+    rec = {"method": "ar", "bench": "b", "prompt_id": "p1", "batch_id": "p1", "batch_wall_s": 1.0, "new_tokens": 4, "steps": 3,
+           "turns": 1, "prefill_s": 0.1, "tokens": [1, 2, 3, 4], "temperature": 0.0, "tree_mode": "ranked",
+           "prompt_hash": prompt_hash(Prompt("p1", ("q",)))}
+    (tmp_path / "results.jsonl").write_text(json.dumps(rec) + "\n")
+    prompts = {"b": [Prompt("p1", ("q",))]}
+    summarize_run(tmp_path, prompts)
+    before = (tmp_path / "summary.csv").read_text()
+
+    def killed(frame, path, **kwargs):
+        open(path, "w").write(before[: len(before) // 2])  # half a summary, then the process dies
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pd.DataFrame, "to_csv", killed)
+    with pytest.raises(KeyboardInterrupt):
+        summarize_run(tmp_path, prompts)
+    assert (tmp_path / "summary.csv").read_text() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results.jsonl", "summary.csv"]  # no temporary file left
+    for broken in ("method,bench\nar,b\nar,b,1,2\n", ""):  # written by hand, or by an older version cut short
+        (tmp_path / "summary.csv").write_text(broken)
+        with pytest.raises(ValueError, match=f"^{re.escape(str(tmp_path / 'summary.csv'))} is not a readable summary .*; delete it"):
+            read_summary(tmp_path / "summary.csv")
 
 
 def test_an_edited_prompt_is_decoded_again(tmp_path):

@@ -31,6 +31,7 @@ from bastion.tree.proposal import BlockProposal
 from bastion.tree.static import static
 from bastion.verify import Verdict
 from tests.conftest import target_config
+from tests.test_dflash import random_drafter
 
 V, PROMPT, N_TOKENS = 16, [3, 5, 7, 9, 11], 3
 ROWS, SEEDS = 8000, 4  # 32,000 samples per method
@@ -123,13 +124,24 @@ SAMPLINGS = [Sampling(1.0), Sampling(0.7, top_k=6, top_p=0.9)]
 
 def methods(table, target):
     drafter = TableDrafter(table)
-    torch.manual_seed(0)
-    flex = FlexDraftDrafter(target, tuned_layers=1, group_size=4, calibration_hidden=8, threshold=0.0, top_k=4)
     return {
         "chain": dict(drafter=drafter, policy=chain, budget=FixedBudget(3)),
         "best_first": dict(drafter=drafter, policy=best_first, budget=FixedBudget(6)),
         "static": dict(drafter=drafter, policy=partial(static, shape="eagle1_25"), budget=FixedBudget(8)),
-        "flexdraft-parallel": dict(drafter=flex.to(target.dtype).eval(), policy=best_first, budget=FixedBudget(4, mode="parallel")),
+        "flexdraft-parallel": real_drafters(target)["flexdraft-parallel"],
+    }
+
+
+def real_drafters(target):
+    """The drafters run.py builds, with random weights: DFlash, and FlexDraft drafting apart
+    from verification (sequential) and inside its forward (parallel)."""
+    torch.manual_seed(0)
+    flex = FlexDraftDrafter(target, tuned_layers=1, group_size=4, calibration_hidden=8, threshold=0.0, top_k=4)
+    flex = flex.to(target.dtype).eval()
+    return {
+        "dflash": dict(drafter=random_drafter(target, block_size=3, mask_token_id=V - 1), policy=best_first, budget=FixedBudget(6)),
+        "flexdraft-sequential": dict(drafter=flex, policy=best_first, budget=FixedBudget(4, mode="sequential")),
+        "flexdraft-parallel": dict(drafter=flex, policy=best_first, budget=FixedBudget(4, mode="parallel")),
     }
 
 
@@ -147,6 +159,19 @@ def test_every_method_samples_the_target_distribution(tiny16, sampling, mode):
     for name, method in methods(table, tiny16).items():
         p = chi_square_p_value(sample_counts(tiny16, dataclasses.replace(sampling, tree_mode=mode), method), joint)
         assert p > 1e-3, f"{name} ({mode} children): distribution differs from AR (chi-square p={p:.2g})"
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS, ids=["T1", "T0.7-k6-p0.9"])
+def test_every_method_outputs_ars_keyed_sample(tiny16, sampling):
+    """Ranked children: every method, the real drafters included, outputs AR's sample token
+    for token for the same seed (keyed Gumbel-max sampling, sampling.py), accepting drafts on
+    the way."""
+    table = context_logits(tiny16)
+    ar = [g.tokens for g in generate(tiny16, [PROMPT] * 8, max_new_tokens=12, sampling=sampling, seed=5).generations]
+    for name, method in {**methods(table, tiny16), **real_drafters(tiny16)}.items():
+        d = generate(tiny16, [PROMPT] * 8, max_new_tokens=12, sampling=sampling, seed=5, **method)
+        assert [g.tokens for g in d.generations] == ar, f"{name} at T={sampling.temperature}: output differs from AR's"
+        assert max(max(s.produced) for s in d.steps) >= 2, f"{name} should accept drafted tokens"
 
 
 def test_the_test_sees_a_two_percent_shift(tiny16):
@@ -209,9 +234,11 @@ def test_keyed_noise_is_standard_gumbel_and_independent():
     assert torch.equal(again[0, 0], g[5, 7]) and not torch.equal(bastion.sampling.gumbel(4, torch.tensor([5]), torch.tensor([[7]]), 512), again)
 
 
-def test_same_seed_same_output(tiny16):
+@pytest.mark.parametrize("name", ["chain", "static", "best_first"])
+def test_same_seed_same_output(tiny16, name):
+    """T=1, ranked children: a rerun with the same seed samples the same tokens, another seed others."""
     table = context_logits(tiny16)
-    method = methods(table, tiny16)["best_first"]
+    method = methods(table, tiny16)[name]
     runs = [generate(tiny16, [PROMPT] * 8, max_new_tokens=12, sampling=Sampling(1.0), seed=s, **method) for s in (5, 5, 6)]
     tokens = [[g.tokens for g in d.generations] for d in runs]
     assert tokens[0] == tokens[1] and tokens[0] != tokens[2]

@@ -8,6 +8,7 @@ import json
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -67,6 +68,31 @@ def test_selfdistill_is_the_targets_own_greedy_answers_and_resumes(tiny, data):
     shutil.rmtree(out / "shard_00002")
     assert len(build_selfdistill(tiny, out, file_prompts("gsm8k", 6), layers=(0, 1), max_new_tokens=12, batch_size=2, top_k=2)) == 6
     assert mtimes(out)["shard_00000"] == built["shard_00000"]  # kept, not rebuilt
+
+
+def test_a_shard_write_cut_short_leaves_no_half_shard_and_an_older_half_one_is_rebuilt(tiny, tmp_path, monkeypatch):
+    from datasets import Dataset
+
+    def build():
+        return build_selfdistill(tiny, tmp_path, file_prompts("gsm8k", 2), layers=(0,), max_new_tokens=4, batch_size=2)
+
+    save = Dataset.save_to_disk
+
+    def killed(dataset, path, **kwargs):
+        save(dataset, path, **kwargs)
+        info = Path(path) / "dataset_info.json"
+        info.write_text(info.read_text()[:40])  # killed while writing the file a finished shard is known by
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Dataset, "save_to_disk", killed)
+    with pytest.raises(KeyboardInterrupt):
+        build()
+    assert list(tmp_path.iterdir()) == []  # neither a half shard nor a temporary folder
+    monkeypatch.undo()
+    ids = build()["id"]
+    info = tmp_path / "shard_00000" / "dataset_info.json"
+    info.write_text(info.read_text()[:40])  # what a kill left when shards were written in place
+    assert build()["id"] == ids and json.loads(info.read_text())
 
 
 def test_more_prompts_reuse_the_shards_built_and_changed_shards_are_rebuilt(tiny, tmp_path):

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import pandas as pd
 
-from bastion.files import atomic_write_text, read_json
+from bastion.files import atomic_path, atomic_write_text, read_json
 
 MACHINE_FILE = "machine.json"
 SUMMARY_FIELDS = ("device", "profile", "dtype", "commit")  # the ones summary.csv repeats on every row
@@ -95,7 +95,18 @@ def summary_fields(run_dir: Path) -> dict:
     return {key: machine.get(key) for key in SUMMARY_FIELDS}
 
 
+def write_summary(summary: pd.DataFrame, path: Path) -> None:
+    """Write a run's summary.csv whole or not at all (files.py): a kill mid-write leaves the
+    previous one."""
+    with atomic_path(path) as tmp:
+        summary.to_csv(tmp, index=False)
+
+
 def read_summary(path: Path) -> pd.DataFrame:
     """A run's summary.csv with its provenance columns as text: a short commit of digits only
-    (0863448) must not come back as the number 863448."""
-    return pd.read_csv(path, dtype=dict.fromkeys(SUMMARY_FIELDS, str))
+    (0863448) must not come back as the number 863448. One that does not parse is named."""
+    try:
+        return pd.read_csv(path, dtype=dict.fromkeys(SUMMARY_FIELDS, str))
+    except ValueError as error:  # pandas' ParserError and EmptyDataError, UnicodeDecodeError
+        raise ValueError(f"{path} is not a readable summary ({' '.join(str(error).split())}); delete it and rerun the run "
+                         "into the same hydra.run.dir, which keeps its records and writes the summary again.") from None

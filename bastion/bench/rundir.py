@@ -14,7 +14,7 @@ import json
 import logging
 import os
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 from bastion.bench.provenance import MACHINE_FILE
@@ -33,20 +33,36 @@ def fingerprint(settings: dict) -> str:
 
 @contextmanager
 def locked(out_dir: Path, shard: str = ""):
-    """Hold the run dir's lock for this shard's records (torchrun ranks write shards of their
-    own); a second writer is refused in one sentence. The kernel drops the lock when the
-    process dies, so a killed run never leaves a stale one."""
+    """Hold the run dir's lock from the settings check to the last record; a second writer is
+    refused in one sentence. A plain run holds `.lock` alone; torchrun's ranks (`shard`
+    .rankN: each writes shards of its own) hold it together, each also holding `.lock.rankN`
+    alone. So a plain run and a torchrun job never write (or, with fresh=true, move) one run
+    dir's records at once. The kernel drops a lock when its process dies, so a killed run never
+    leaves a stale one."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    with open(out_dir / f".lock{shard}", "a+") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.seek(0)
-            raise ValueError(f"Another run (pid {f.read().strip() or '?'}) is writing to {out_dir}; wait for it to finish or choose another hydra.run.dir.") from None
-        f.truncate(0)
+    with ExitStack() as held:
+        _hold(held, out_dir / ".lock", fcntl.LOCK_SH if shard else fcntl.LOCK_EX, out_dir)
+        if shard:
+            _hold(held, out_dir / f".lock{shard}", fcntl.LOCK_EX, out_dir)
+        yield
+
+
+def _hold(held: ExitStack, path: Path, how: int, out_dir: Path) -> None:
+    """Take `path`'s lock (`how`: LOCK_EX, or LOCK_SH for ranks sharing it) for as long as
+    `held` lasts. An exclusive holder writes its pid into the file for the refusal to name;
+    shared holders empty it, so a refusal names no pid of a plain run long gone."""
+    f = held.enter_context(open(path, "a+"))
+    try:
+        fcntl.flock(f, how | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip()
+        who = f"Another run (pid {holder})" if holder else "A torchrun job"
+        raise ValueError(f"{who} is writing to {out_dir}; wait for it to finish or choose another hydra.run.dir.") from None
+    f.truncate(0)
+    if how == fcntl.LOCK_EX:
         f.write(str(os.getpid()))
         f.flush()
-        yield
 
 
 def check_run_dir(out_dir: Path, settings: dict[str, dict], fresh: bool = False) -> None:
@@ -55,6 +71,9 @@ def check_run_dir(out_dir: Path, settings: dict[str, dict], fresh: bool = False)
     folder of their own instead. Then record the settings."""
     path = out_dir / SETTINGS_FILE
     saved = read_json(path, "delete the run dir or choose another hydra.run.dir") if path.exists() else {}
+    if not isinstance(saved, dict) or not all(isinstance(s, dict) and {"fingerprint", "settings"} <= s.keys() for s in saved.values()):
+        raise ValueError(f"{path} does not hold each method's settings (an object of method name -> fingerprint and settings); "
+                         "delete the run dir or choose another hydra.run.dir.")
     recorded = {r["method"] for r in run_records(out_dir)}
     changed = [name for name in settings if name in recorded and saved.get(name, {}).get("fingerprint") != fingerprint(settings[name])]
     if changed and fresh:

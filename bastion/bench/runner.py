@@ -23,7 +23,7 @@ from tqdm import tqdm
 from bastion.bench.datasets import Prompt, chat_tokens
 from bastion.bench.divergence import divergence
 from bastion.bench.metrics import BASELINE, summarize
-from bastion.bench.provenance import summary_fields
+from bastion.bench.provenance import summary_fields, write_summary
 from bastion.bench.records import drop_cut_line, read_records, run_records
 from bastion.bench.rundir import fingerprint
 from bastion.compose import Method
@@ -103,7 +103,7 @@ def summarize_run(out_dir: Path, prompts: dict[str, list[Prompt]]) -> pd.DataFra
         raise ValueError(f"{out_dir} holds {len(doubled)} record(s) twice, e.g. {first.method} on {first.prompt_id}: two runs "
                          "wrote it at once, or results files were merged; rerun into a new hydra.run.dir.")
     summary = summarize(records).assign(**summary_fields(out_dir))
-    summary.to_csv(out_dir / "summary.csv", index=False)
+    write_summary(summary, out_dir / "summary.csv")
     return summary
 
 

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from bastion.files import atomic_dir
+
 CACHE_DIR = Path(os.environ.get("BASTION_CACHE", "~/.cache/bastion")).expanduser()
 
 
@@ -128,48 +130,20 @@ def packaged_dir(name: str, cache_dir: str | Path | None = None) -> Path:
 def _convert_gguf(parts: list[Path], gguf_name: str, out: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    for stale in out.parent.glob(f"{out.name}.partial-*"):  # left by conversions that were killed
-        pid = stale.name.rsplit("-", 1)[1]
-        if pid.isdigit() and not _running(int(pid)):
-            shutil.rmtree(stale, ignore_errors=True)
-    tmp = out.with_name(f"{out.name}.partial-{os.getpid()}")  # this process's own: test workers convert in parallel
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    if len(parts) == 1:
-        gguf_dir, gguf_file = parts[0].parent, parts[0].name
-    else:
-        gguf_dir, gguf_file = tmp, gguf_name
-        with open(tmp / gguf_name, "wb") as dst:
-            for part in parts:
-                with open(part, "rb") as src:
-                    shutil.copyfileobj(src, dst)
-    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)
-    model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_file, dtype=torch.float32)
-    # The weights are dequantised already; drop the GGUF quantiser so they save as plain tensors.
-    model.hf_quantizer = None
-    del model.config.quantization_config
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    (tmp / gguf_name).unlink(missing_ok=True)
-    _publish(tmp, out)
-
-
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, another user's
-        pass
-    return True
-
-
-def _publish(tmp: Path, out: Path) -> None:
-    """Move a finished conversion into place in one rename, so `out` is complete whenever it
-    exists. Another process may have published the same model meanwhile: theirs is kept."""
-    try:
-        tmp.rename(out)
-    except OSError:
-        if not (out / "model.safetensors").exists():
-            raise
-        shutil.rmtree(tmp)
+    with atomic_dir(out, "model.safetensors") as tmp:
+        if len(parts) == 1:
+            gguf_dir, gguf_file = parts[0].parent, parts[0].name
+        else:
+            gguf_dir, gguf_file = tmp, gguf_name
+            with open(tmp / gguf_name, "wb") as dst:
+                for part in parts:
+                    with open(part, "rb") as src:
+                        shutil.copyfileobj(src, dst)
+        tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)
+        model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_file, dtype=torch.float32)
+        # The weights are dequantised already; drop the GGUF quantiser so they save as plain tensors.
+        model.hf_quantizer = None
+        del model.config.quantization_config
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / gguf_name).unlink(missing_ok=True)

@@ -8,7 +8,8 @@ Stored as `datasets` shards, one folder per source (`<dir>/<source>/shard_k`). E
 prompts come in a seeded order that does not depend on how many are asked for, cut into shards
 of `batch_size` prompts, so a bigger `n_prompts` or another mix reuses every shard already
 built; a shard is rebuilt only when its prompt ids changed, and an interrupted build resumes at
-the first missing shard.
+the first missing shard. A shard is written whole or not at all (files.atomic_dir), so a kill
+leaves none half-written.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from tqdm import tqdm
 
 from bastion.bench.datasets import REASON, chat_tokens, default_data_dir, read_jsonl
 from bastion.engine import generate
-from bastion.files import atomic_write_text, read_json
+from bastion.files import atomic_dir, atomic_write_text, read_json
 from bastion.models.target import Target
 from bastion.recorder import FeatureRecorder
 from bastion.sampling import Sampling
@@ -156,7 +157,7 @@ def followup_prompts(target: Target, count: int, cache: Path, chat_dir: Path, se
     their order. The prompt is the whole conversation."""
     tok = target.tokenizer
     chats = dict(chat_prompts(target, count_shards(chat_dir), chat_dir, seed))
-    rows = [row for s in sorted(chat_dir.glob("shard_*"))
+    rows = [row for s in sorted(chat_dir.glob("shard_*")) if shard_ids(s) is not None
             for row in load_from_disk(str(s)).select_columns(["id", "input_ids", "answer_start"])]
     firsts = [[*chats[row["id"]], {"role": "assistant", "content": tok.decode(answer[:-1]).strip()}]
               for row in rows for answer in [row["input_ids"][row["answer_start"]:]]
@@ -260,13 +261,18 @@ def build_selfdistill(
             if top_k:
                 rows["top_ids"].append(recorder.top_ids[i].numpy())
                 rows["top_logprobs"].append(recorder.top_logprobs[i].numpy())
-        shutil.rmtree(shard, ignore_errors=True)
-        Dataset.from_dict(rows, features=schema).save_to_disk(str(shard))
+        with atomic_dir(shard, "dataset_info.json") as tmp:
+            Dataset.from_dict(rows, features=schema).save_to_disk(str(tmp))
+            shutil.rmtree(shard, ignore_errors=True)  # the shard it replaces, if any: gone only once this one is whole
     return concatenate_datasets([load_from_disk(str(s)) for s in shards])
 
 
 def shard_ids(shard: Path) -> list[str] | None:
-    """The prompt ids a finished shard holds (None when it is missing or unfinished)."""
+    """The prompt ids a finished shard holds (None when it is missing or unfinished: an older
+    version wrote shards in place, and a kill could leave half of one, which is built again)."""
     if not (shard / "dataset_info.json").exists():
         return None
-    return load_from_disk(str(shard))["id"]
+    try:
+        return load_from_disk(str(shard))["id"]
+    except (OSError, ValueError):  # its dataset_info.json, written last, cut short
+        return None
