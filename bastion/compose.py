@@ -19,12 +19,13 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from bastion.budget.hardware import HardwareProfile, profile_from_config
 from bastion.engine import generate
 from bastion.models.packed_linear import prepack_linears
+from bastion.models.target import compile_forward
 from bastion.sampling import GREEDY, Sampling
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
 
-LABELS = ("name", "drafters", "mask_token_id")  # keys that describe a choice rather than configure its constructor
+LABELS = ("name", "drafters", "mask_token_id", "shape")  # keys that describe a choice rather than configure its constructor
 
 
 def build(node: DictConfig | None, **kwargs):
@@ -77,9 +78,13 @@ def reapply(cfg: DictConfig, override) -> None:
 def build_target(cfg: DictConfig, dtype: str | None = None):
     """The run's target (in `dtype` instead of target.dtype when given), its linear weights
     prepacked for CPU inference when `packed_weights` is on (see models/packed_linear.py; a
-    no-op on GPU). A packaged model is converted under the run's cache_dir."""
+    no-op on GPU), or its forward compiled with decode.compile. A packaged model is converted
+    under the run's cache_dir."""
     node = cfg.target if dtype is None else OmegaConf.merge(cfg.target, {"dtype": dtype})
-    return packed(cfg, build(node, name=cfg.target.name, cache_dir=cfg.cache_dir, attention=cfg.get("attention", "auto")))
+    target = build(node, name=cfg.target.name, cache_dir=cfg.cache_dir, attention=cfg.get("attention", "auto"))
+    if OmegaConf.select(cfg, "decode.compile", default=False):
+        return compile_forward(target)  # unpacked: inductor lays weights out its own way, prepacked ones do not lower
+    return packed(cfg, target)
 
 
 def packed(cfg: DictConfig, target_or_drafter):
@@ -184,22 +189,36 @@ def method_settings(cfg: DictConfig, plan: MethodPlan) -> dict:
             settings[group] = OmegaConf.to_container(node, resolve=True)
         if plan.node.drafter.get("checkpoint"):
             settings["drafter_files"] = files_digest(plan.node.drafter.checkpoint)
+    if local_dir(cfg.target.source) is not None:  # a packaged, Hub or random target is known by its name
+        settings["target_files"] = files_digest(cfg.target.source, weights=False)
     return settings
 
 
-def files_digest(source: str) -> str:
-    """A digest of a local checkpoint directory's files (names and bytes), or the source
-    itself when it is a Hub id: retraining into the same directory changes it. A relative
-    directory is looked up as the drafters' loader does (here, then in the project)."""
-    path = next((p for p in (Path(source).expanduser(), CONF_DIR.parent / source) if p.is_dir()), None)
+def local_dir(source: str) -> Path | None:
+    """The local directory `source` names, looked up as the drafters' loader does (here, then
+    in the project); None for a Hub id, a packaged model or `random`."""
+    return next((p for p in (Path(source).expanduser(), CONF_DIR.parent / source) if p.is_dir()), None)
+
+
+def files_digest(source: str, weights: bool = True) -> str:
+    """A digest of a local model directory's files (names and bytes), or the source itself
+    when it is not one: retraining or replacing weights in the same directory changes it.
+    Without `weights`, a safetensors file counts by its name, size and header (its tensors'
+    names, dtypes, shapes and offsets) only: a target's weights can be 16 GB, too many to
+    read at every run's start."""
+    path = local_dir(source)
     if path is None:
         return source
     digest = hashlib.sha256()
     for file in sorted(p for p in path.iterdir() if p.is_file() and p.suffix in (".json", ".safetensors")):
         digest.update(file.name.encode())
         with open(file, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 22), b""):
-                digest.update(chunk)
+            if weights or file.suffix == ".json":
+                for chunk in iter(lambda: f.read(1 << 22), b""):
+                    digest.update(chunk)
+            else:
+                size, head = file.stat().st_size, f.read(8)  # the header's length (little-endian u64), then the header
+                digest.update(f"{size}".encode() + head + f.read(min(int.from_bytes(head, "little"), size)))
     return digest.hexdigest()[:16]
 
 

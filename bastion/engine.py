@@ -15,7 +15,7 @@ from bastion.budget.base import Budget
 from bastion.drafters.base import DraftContext, Drafter
 from bastion.models.kv_cache import KVCache, fill_holes
 from bastion.models.target import Target
-from bastion.models.timer import now
+from bastion.models.timer import Clock, now
 from bastion.recorder import Recorder
 from bastion.sampling import GREEDY, Sampling
 from bastion.tree.draft_tree import DraftTree, pack
@@ -114,6 +114,7 @@ class _Method:
     capture: tuple[int, ...]  # target layers whose outputs the forwards return
     recorder: Recorder
     stopper: Stopper
+    clock: Clock
 
 
 @dataclass
@@ -153,14 +154,16 @@ def generate(
     capture = _check_method(drafter, policy, budget, recorder)
     device = target.device
     max_nodes = budget.max_nodes if drafter else 0
-    capacity = max(len(p) for p in prompts) + max_new_tokens + max_nodes + 1 + (drafter.extra_tokens(max_nodes) if drafter else 0)
+    longest = max(len(p) for p in prompts)
+    widest = target.padded(max_nodes + 1 + (drafter.extra_tokens(max_nodes) if drafter else 0))  # a step's forward
+    capacity = max(longest + max_new_tokens + widest, target.padded(longest))
     cache = target.new_cache(len(prompts), capacity)
     active = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # the prompt each cache row decodes
     rows = [prompts[i] for i in active]  # shortest first, so that prefill chunks waste little on padding
     keys = torch.tensor(range(len(prompts)) if keys is None else keys, device=device)
     generator = None if sampling.keyed else torch.Generator(device=device).manual_seed(seed)
     method = _Method(target, drafter, policy, budget, sampling, seed, keys, generator, capture, recorder,
-                     Stopper(target.eos_ids, max_new_tokens, stop_strings, target.tokenizer))
+                     Stopper(target.eos_ids, max_new_tokens, stop_strings, target.tokenizer), Clock(device))
 
     t0 = now(device)
     last_hidden, features = _prefill(target, rows, cache, capture)
@@ -195,31 +198,30 @@ def _check_method(drafter: Drafter | None, policy, budget: Budget | None, record
 def _step(m: _Method, batch: _Batch) -> Step:
     """One decode step: draft, build and size the trees, verify them in one target forward,
     accept, commit the KV cache, and let finished rows leave the batch."""
-    device, ctx, cache = m.target.device, batch.ctx, batch.cache
-    t0 = now(device)
+    device, ctx, cache, clock = m.target.device, batch.ctx, batch.cache, m.clock
+    t0 = clock.mark()
     proposal = None
     if m.drafter is not None:
         if m.budget.drafts():
             proposal = m.drafter.propose(ctx)
         else:  # the budget chose an AR step; the drafter still reads the new tokens
             m.drafter.absorb(ctx)
-    t1 = now(device)
+    t1 = clock.mark()
     contexts = list(cache.lengths)
     if proposal is None:
         trees, draft_probs = [DraftTree.root_only(seq[-1]) for seq in ctx.sequences], None
     else:
         trees, draft_probs = _draft_trees(m, proposal, contexts)
     tokens, depths, tree_mask = pack(trees, device)
-    t2 = now(device)
+    t2 = clock.mark()
     if proposal is None:
         hidden, features = m.target.forward(tokens, depths, tree_mask, cache, m.capture)
         width = 1
     else:  # the drafter's verification forward (FlexDraft drafts inside it where the budget says so)
         parallel = m.budget.parallel(tokens.shape[1], lambda: m.drafter.parallel_tokens(trees), contexts)
         hidden, features, width = m.drafter.verify_forward(m.target, cache, trees, tokens, depths, tree_mask, m.capture, parallel)
-    logits = m.target.logits(hidden)  # [B, M, V]
-    t3 = now(device)
-    verdicts = _verify(m, batch, logits, trees, depths, draft_probs)
+    verdicts = _verify(m, batch, hidden, trees, tokens, depths, tree_mask, draft_probs)  # waits for the device: its results
+    t3 = clock.mark()
     paths = [v.path for v in verdicts]
     cache.commit(paths)
     if proposal is not None:
@@ -227,17 +229,18 @@ def _step(m: _Method, batch: _Batch) -> Step:
     if m.capture:
         features = _gather_paths(features, paths)
     committed = [len(p) for p in paths]
-    m.recorder.record(batch.active, committed, features, logits[:, 0])
+    m.recorder.record(batch.active, committed, features, m.target.logits(hidden[:, 0]) if m.recorder.top_k else None)
     batch.ctx = DraftContext([seq + v.tokens for seq, v in zip(ctx.sequences, verdicts)], features, committed, cache)
     keep = _extend_outputs(batch.decoding, batch.active, [v.tokens for v in verdicts], m.stopper, step=True)
     rows, batch.active = batch.active, _keep_rows(keep, batch.active, cache, m.drafter, batch.ctx)
-    t4 = now(device)
+    t4 = clock.mark()
     step = Step(rows, [t.n_nodes for t in trees], [len(v.tokens) for v in verdicts], [t.expected_accepted() for t in trees],
-                draft_s=t1 - t0, verify_s=t3 - t2, other_s=(t2 - t1) + (t4 - t3),
+                draft_s=clock.seconds(t0, t1), verify_s=clock.seconds(t2, t3),
+                other_s=clock.seconds(t1, t2) + clock.seconds(t3, t4),
                 predicted_verify_s=m.budget.predicted_s if proposal is not None else None, drafted=proposal is not None)
     if m.drafter is not None:  # what ran: the trees, plus the mask groups of parallel drafting
         m.budget.observe(step, contexts, width)
-        step.other_s += now(device) - t4  # the controller's own refits are part of the step
+        step.other_s += clock.seconds(t4, clock.mark())  # the controller's own refits are part of the step
     return step
 
 
@@ -251,15 +254,19 @@ def _draft_trees(m: _Method, proposal, contexts: list[int]):
     return [sample_children(tree, draft_probs[b], m.generator) for b, tree in enumerate(trees)], draft_probs
 
 
-def _verify(m: _Method, batch: _Batch, logits: torch.Tensor, trees: list[DraftTree], depths: torch.Tensor, draft_probs):
-    """Each row's accepted path and new tokens: greedily against keyed scores, or by rejection
-    sampling of sampled children."""
+def _verify(m: _Method, batch: _Batch, hidden: torch.Tensor, trees: list[DraftTree], tokens: torch.Tensor,
+            depths: torch.Tensor, tree_mask: torch.Tensor, draft_probs):
+    """Each row's accepted path and new tokens from the verification forward's hidden states
+    [B, M, h]: greedily against the target's argmax (no float32 logits) or keyed scores, or by
+    rejection sampling of sampled children."""
     if m.sampling.greedy:
-        return verify_greedy(logits, trees)
+        return verify_greedy(m.target.argmax(hidden), trees, tokens, depths, tree_mask)
+    logits = m.target.logits(hidden)  # [B, M, V]
     if not m.sampling.keyed:
         return verify_sampled(logits, trees, m.sampling, m.generator, draft_probs)
     start = torch.tensor([len(batch.decoding.generations[i].tokens) for i in batch.active], device=logits.device)  # [B] output position after each root
-    return verify_greedy(m.sampling.scores(logits, m.seed, m.keys[batch.active], start, depths), trees)
+    choice = m.sampling.scores(logits, m.seed, m.keys[batch.active], start, depths).argmax(-1)
+    return verify_greedy(choice, trees, tokens, depths, tree_mask)
 
 
 def _first_tokens(logits: torch.Tensor, sampling: Sampling, seed: int, keys: torch.Tensor, generator) -> list[int]:

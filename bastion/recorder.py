@@ -18,10 +18,10 @@ class Recorder:
     layers: tuple[int, ...] = ()  # target layers whose outputs the forwards must capture for it
     top_k: int = 0  # the likeliest next tokens to keep per new token (AR decoding only)
 
-    def record(self, prompts: list[int], committed: list[int], features: torch.Tensor | None, logits: torch.Tensor) -> None:
+    def record(self, prompts: list[int], committed: list[int], features: torch.Tensor | None, logits: torch.Tensor | None) -> None:
         """One forward's results for the rows decoding `prompts` (indices): the `layers`
         features [B, W, F] of each row's `committed` tokens (right-padded; None without layers)
-        and the logits [B, V] of each row's next token."""
+        and, for a recorder with top_k, the logits [B, V] of each row's next token (else None)."""
 
     def finish(self, prompts: list[list[int]], outputs: list[list[int]]) -> None:
         """Decoding ended with these outputs: keep what belongs to them."""

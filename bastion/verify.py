@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from bastion.sampling import Sampling
@@ -18,22 +19,25 @@ class Verdict:
     tokens: list[int]  # new tokens: the accepted draft tokens, then the target's bonus token
 
 
-def verify_greedy(logits: torch.Tensor, trees: list[DraftTree]) -> list[Verdict]:
-    """Temperature 0: follow the child equal to the target's argmax as deep as it goes; the
-    argmax at the last accepted node is the bonus token. logits: [B, M, V]."""
-    argmax = logits.argmax(dim=-1).tolist()  # [B, M]
+def verify_greedy(choice: torch.Tensor, trees: list[DraftTree], tokens: torch.Tensor, depths: torch.Tensor,
+                  mask: torch.Tensor) -> list[Verdict]:
+    """Accept the deepest node whose every ancestor's token is the target's choice after its
+    parent (the argmax of logits, or of keyed scores at T > 0); the choice after it is the
+    bonus token. choice, tokens, depths: [B, M]; mask: the trees' ancestor masks [B, M, M]
+    (pack's; padding slots are depth-0 roots of their own).
+
+    Decided on the device for every node at once, then one transfer of each row's accepted
+    path and bonus token: a step waits for the device once, whatever the trees' size."""
+    parent = (mask & (depths[:, None, :] == depths[:, :, None] - 1)).byte().argmax(-1)  # [B, M]; roots: 0
+    matched = (tokens == choice.gather(1, parent)) | (depths == 0)
+    accepted = ~(mask & ~matched[:, None, :]).any(-1)  # [B, M]: the whole path to the node matched
+    deepest = (depths * accepted).argmax(-1)  # [B]; the first such node, should siblings repeat a token
+    rows = torch.arange(len(trees), device=mask.device)
+    out = torch.cat([mask[rows, deepest], choice[rows, deepest, None]], dim=1).cpu().numpy()  # [B, M + 1]
     verdicts = []
-    for tree, best in zip(trees, argmax):
-        node, path, new = 0, [0], []
-        while True:
-            token = best[node]
-            child = next((c for c in tree.children[node] if tree.tokens[c] == token), None)
-            new.append(token)
-            if child is None:
-                break
-            node = child
-            path.append(child)
-        verdicts.append(Verdict(path, new))
+    for tree, row in zip(trees, out):
+        path = np.flatnonzero(row[:-1]).tolist()
+        verdicts.append(Verdict(path, [tree.tokens[i] for i in path[1:]] + [int(row[-1])]))
     return verdicts
 
 

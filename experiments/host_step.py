@@ -53,13 +53,22 @@ def parse(argv: list[str]) -> tuple[dict[str, list[int]], list[str]]:
     return lists, rest
 
 
+def step_split(target, policy, budget, batch: int, max_new_tokens: int = 24) -> tuple[float, float]:
+    """Median seconds of a decode step and of its forward (verify) part, `batch` 200-token
+    prompts drafted by RandomDrafter; the first two steps (warm-up) are left out. The host
+    rest is their difference (experiments/gpu_check.py measures it on a GPU target too)."""
+    prompts = [[(7 * i + j) % 4000 + 100 for j in range(200)] for i in range(batch)]
+    drafter = RandomDrafter(target.args.vocab_size)
+    steps = generate(target, prompts, drafter=drafter, policy=policy, budget=budget, max_new_tokens=max_new_tokens).steps[2:]
+    return median(s.draft_s + s.verify_s + s.other_s for s in steps), median(s.verify_s for s in steps)
+
+
 def main(argv: list[str]) -> None:
     lists, overrides = parse(argv)
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
         cfg = compose("config", overrides=["target=tiny_qwen3", "device=cpu", "tree=best_first", "budget=fixed", *overrides])
     target = build_target(cfg)
-    drafter, policy = RandomDrafter(target.args.vocab_size), build(cfg.tree)
-    prompts = [[(7 * i + j) % 4000 + 100 for j in range(200)] for i in range(max(lists["batches"]))]
+    policy = build(cfg.tree)
     print(f"{target.name} on {cfg.device}, {cfg.budget.name.rstrip('0123456789')} budget, {torch.get_num_threads()} threads")
     print(f"{'B':>3} {'N':>4} {'step ms':>8} {'forward ms':>10} {'host ms':>8}")
     for B in lists["batches"]:
@@ -68,9 +77,7 @@ def main(argv: list[str]) -> None:
             node["nodes" if "nodes" in node else "max_nodes"] = N
             budget = build(node)
             budget.start(target, hardware(cfg), Path(cfg.cache_dir))
-            steps = generate(target, prompts[:B], drafter=drafter, policy=policy, budget=budget, max_new_tokens=24).steps[2:]
-            total = median(s.draft_s + s.verify_s + s.other_s for s in steps)
-            forward = median(s.verify_s for s in steps)
+            total, forward = step_split(target, policy, budget, B)
             print(f"{B:>3} {N:>4} {1e3 * total:>8.2f} {1e3 * forward:>10.2f} {1e3 * (total - forward):>8.2f}")
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import heapq
 import json
 import math
 from types import SimpleNamespace
@@ -72,6 +73,33 @@ def test_merge_takes_the_best_next_node_of_any_row_keeping_prefixes():
     assert gained[-1] == pytest.approx(a.expected_accepted() + b.expected_accepted())
     counts, gained = merge_best_first([a])  # one row: its nodes in order
     assert counts.tolist() == [[0], [1], [2], [3]] and gained == pytest.approx([0, 0.9, 0.9 + 0.81, 0.9 + 0.81 + 0.729])
+
+
+def heap_merge(trees: list[DraftTree]) -> list[list[int]]:
+    """The greedy merge as stated: pop the best next node of any row, ties to the lower row."""
+    heap = [(-math.exp(t.logq[1]), b) for b, t in enumerate(trees) if t.n_nodes]
+    heapq.heapify(heap)
+    taken = [0] * len(trees)
+    counts = [list(taken)]
+    while heap:
+        _, b = heapq.heappop(heap)
+        taken[b] += 1
+        counts.append(list(taken))
+        if taken[b] < trees[b].n_nodes:
+            heapq.heappush(heap, (-math.exp(trees[b].logq[taken[b] + 1]), b))
+    return counts
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_merge_equals_the_greedy_heap_on_rows_whose_values_rise_and_fall(seed):
+    """Static trees list nodes in a fixed order, not by value: a row's values may rise again."""
+    rng = np.random.default_rng(seed)
+    trees = []
+    for b in range(4):
+        n = int(rng.integers(0, 9))
+        logq = (0.0, *np.log(rng.choice([0.1, 0.2, 0.5, 0.9], size=n)).tolist())  # repeated values: ties
+        trees.append(DraftTree(tuple(range(n + 1)), (-1, *[0] * n), logq))
+    assert merge_best_first(trees)[0].tolist() == heap_merge(trees)
 
 
 def controller(theta, profile=CPU, args=SMOL) -> BastionBudget:

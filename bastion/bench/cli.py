@@ -15,7 +15,8 @@ from omegaconf import DictConfig, OmegaConf
 from bastion.bench import wandb_logger
 from bastion.bench.datasets import check_prompt_lengths, load_prompts
 from bastion.bench.metrics import with_oracle
-from bastion.bench.provenance import SUMMARY_FIELDS, write_machine
+from bastion.bench.plan import check_memory, print_plan
+from bastion.bench.provenance import SUMMARY_FIELDS, write_machine, write_summary
 from bastion.bench.report import load, write_report
 from bastion.bench.rundir import check_run_dir, locked
 from bastion.bench.runner import run_methods, summarize_run
@@ -52,7 +53,10 @@ SETTINGS = {
     "threads": ("null or a whole number >= 1", lambda v: v is None or _whole(v) and v >= 1),
     "warmup": ("true or false", lambda v: isinstance(v, bool)),
     "fresh": ("true or false", lambda v: isinstance(v, bool)),
+    "plan": ("true or false", lambda v: isinstance(v, bool)),
+    "plan_context": ("a whole number >= 1", lambda v: _whole(v) and v >= 1),
     "decode.max_new_tokens": ("a whole number >= 1", lambda v: _whole(v) and v >= 1),
+    "decode.compile": ("true or false", lambda v: isinstance(v, bool)),
     "decode.batch_size": ("a whole number from 1 to 16 (the engine's ragged rows are tested up to 16)",
                           lambda v: _whole(v) and 1 <= v <= 16),
     "decode.temperature": ("a number", _number),
@@ -88,8 +92,13 @@ def run(cfg: DictConfig) -> None:
     d = cfg.decode
     sampling = Sampling(d.temperature, d.top_k, d.top_p, d.tree_mode)
     plans = plan_methods(cfg)  # an unknown choice, impossible budget or missing drafter checkpoint fails here, before any model loads
-    for plan in [p for p in plans if p.node is not None]:  # the drafting methods
-        build(plan.budget)
+    drafting = [p for p in plans if p.node is not None]
+    max_nodes = max((build(p.budget).max_nodes for p in drafting), default=0)
+    if cfg.plan:
+        print_plan(cfg, drafting, max_nodes)
+        return
+    check_memory(cfg, drafting, max_nodes)  # before a drafter or the target downloads
+    for plan in drafting:
         if plan.node.drafter.get("checkpoint"):
             resolve_checkpoint(plan.node.drafter.checkpoint)
     b = cfg.bench
@@ -121,7 +130,7 @@ def run(cfg: DictConfig) -> None:
     summary = summarize_run(out_dir, prompts)
     for oracle in dict.fromkeys(m.oracle for m in methods if m.oracle):
         summary = with_oracle(summary, [m.name for m in methods if m.oracle == oracle], oracle)
-    summary.to_csv(out_dir / "summary.csv", index=False)
+    write_summary(summary, out_dir / "summary.csv")
     if wandb_run is not None:
         wandb_logger.log_steps(wandb_run, load([out_dir])[1])
         wandb_logger.log_summary(wandb_run, summary, write_report([out_dir]))

@@ -82,7 +82,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Layout | tor
     if isinstance(mask, torch.Tensor):
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
     elif mask.kernel == "flex":
-        out = _flex()(q, k, v, block_mask=mask.block_mask, enable_gqa=gqa)
+        out = _flex(q.device.type)(q, k, v, block_mask=mask.block_mask, enable_gqa=gqa)
     elif mask.kernel == "triton":
         from bastion.models.triton_attention import tree_attention
 
@@ -96,9 +96,11 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Layout | tor
 
 
 @cache
-def _flex():
-    """FlexAttention compiled once per process (eager flex is a dense reference implementation);
-    dynamic shapes, since every decode step has its own N and S."""
+def _flex(device_type: str):
+    """FlexAttention compiled once per device type (eager flex is a dense reference
+    implementation). Dynamic shapes on CUDA, since every decode step has its own N and S;
+    inductor's CPU flex template does not compile with dynamic shapes (torch 2.13), so a CPU
+    compiles per shape (its default kernel is sdpa anyway)."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention, dynamic=True)
+    return torch.compile(flex_attention, dynamic=device_type == "cuda")

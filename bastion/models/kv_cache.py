@@ -29,15 +29,18 @@ class KVCache:
     def device(self) -> torch.device:
         return self.k.device
 
-    def prepare(self, n_new: int, tree_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, Layout]:
+    def prepare(self, n_new: int, tree_mask: torch.Tensor | None = None, key_bucket: int = 1) -> tuple[torch.Tensor, Layout]:
         """For a forward of `n_new` tokens per row, seeing each other as `tree_mask` [B, N, N]
         says (True where token i may see token j; None: causally), return the cache slots they
-        are written to [B, N] and their attention Layout over the verified prefix and themselves."""
+        are written to [B, N] and their attention Layout over the verified prefix and themselves
+        (attending over a multiple of `key_bucket` slots, within capacity: a compiled forward's
+        static shape)."""
         if max(self.lengths) + n_new > self.capacity:
             raise RuntimeError(f"KV cache overflow: {max(self.lengths)} + {n_new} tokens > capacity {self.capacity}")
         lengths = torch.tensor(self.lengths, device=self.device)
         write_pos = lengths[:, None] + torch.arange(n_new, device=self.device)  # [B, N]
-        return write_pos, Layout(lengths, tree_mask, n_new, max(self.lengths) + n_new, self.kernel)
+        n_keys = min(self.capacity, -(-(max(self.lengths) + n_new) // key_bucket) * key_bucket)
+        return write_pos, Layout(lengths, tree_mask, n_new, n_keys, self.kernel)
 
     def store(self, layer: int, k, v, write_pos) -> None:
         """k, v: [B, Hkv, N, D] into slots write_pos [B, N] of `layer` (cast to the cache's dtype:

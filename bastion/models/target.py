@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
@@ -15,6 +16,8 @@ from bastion.models.kv_cache import KVCache
 from bastion.models.loading import resolve_source
 from bastion.models.transformer import ModelArgs, Rotary, Transformer
 
+KEY_BUCKET = 512  # a compiled target attends over a multiple of this many key slots
+ARGMAX_CHUNK = 1 << 26  # logits computed at once by Target.argmax (256 MB in float32)
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -31,6 +34,7 @@ class Target:
     eos_ids: frozenset[int] = field(default_factory=frozenset)
     chat_args: dict = field(default_factory=dict)  # the chat template's keyword arguments (Qwen3: enable_thinking)
     attention: str = "sdpa"  # the attention kernel of its forwards (models/attention.py)
+    compiled: object | None = None  # decode.compile: the captured forward (compile_forward), else None
 
     @property
     def args(self) -> ModelArgs:
@@ -54,18 +58,36 @@ class Target:
 
         tokens, depths: [B, N] (depth = offset from the row's next free position); tree_mask:
         [B, N, N], or None for tokens that see each other causally (a prompt). The tokens' KV is
-        written to the cache but kept only by `cache.commit`. Returns final hidden states [B, N, h] and the `capture` layers' outputs [B, N, F].
+        written to the cache but kept only by `cache.commit`. Returns final hidden states
+        [B, N, h] and the `capture` layers' outputs [B, N, F].
+
+        A compiled target runs bucketed shapes (see compile_forward): N padded to a power of two
+        with tokens that see only themselves, the attended keys to a multiple of KEY_BUCKET.
         """
-        write_pos, layout = cache.prepare(tokens.shape[1], tree_mask)
-        positions = layout.prefix[:, None] + depths
-        return self.model(tokens, positions, layout, cache, write_pos, capture)
+        n = tokens.shape[1]
+        if self.compiled is None:
+            write_pos, layout = cache.prepare(n, tree_mask)
+            return self.model(tokens, layout.prefix[:, None] + depths, layout, cache, write_pos, capture)
+        width = self.padded(n)
+        tokens, depths = (F.pad(x, (0, width - n)) for x in (tokens, depths))
+        if tree_mask is not None:
+            padded = torch.eye(width, dtype=torch.bool, device=tokens.device).repeat(len(tokens), 1, 1)
+            padded[:, :n, :n] = tree_mask
+            tree_mask = padded
+        write_pos, layout = cache.prepare(width, tree_mask, key_bucket=KEY_BUCKET)
+        hidden, features = self.compiled(tokens, layout.prefix[:, None] + depths, layout, cache, write_pos, capture)
+        return hidden[:, :n], None if features is None else features[:, :n]
+
+    def padded(self, n: int) -> int:
+        """The tokens a forward of n runs: n, or its bucket when compiled."""
+        return n if self.compiled is None else 1 << (n - 1).bit_length()
 
     @torch.inference_mode()
     def score(self, sequence: list[int]) -> torch.Tensor:
         """Logits [N, V] at every position of one sequence, from a fresh cache: the reference
         that every cached, tree-shaped or batched forward must reproduce."""
         n = len(sequence)
-        cache = self.new_cache(1, n)
+        cache = self.new_cache(1, self.padded(n))
         depths = torch.arange(n, device=self.device)[None]
         hidden, _ = self.forward(torch.tensor([sequence], device=self.device), depths, None, cache)
         return self.logits(hidden[0])
@@ -74,6 +96,25 @@ class Target:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., h] -> [..., V] in float32 (float64 for float64 models)."""
         return self.model.lm_head(hidden).to(torch.promote_types(self.dtype, torch.float32))
+
+    @torch.inference_mode()
+    def argmax(self, hidden: torch.Tensor, chunk_elements: int = ARGMAX_CHUNK) -> torch.Tensor:
+        """hidden [B, M, h] -> the likeliest next token after each [B, M]: logits(hidden).argmax(-1)
+        exactly (upcasting is exact), without a float32 copy of the logits and a few tokens'
+        logits at a time (B=16, M=257, V=152k: 2.5 GB in float32 at once)."""
+        B, M, _ = hidden.shape
+        step = max(1, chunk_elements // (B * self.args.vocab_size))
+        return torch.cat([self.model.lm_head(part).argmax(-1) for part in hidden.split(step, dim=1)], dim=1)
+
+
+def compile_forward(target: Target) -> Target:
+    """decode.compile=true: the target's forward captured by torch.compile, as CUDA graphs on a
+    GPU (where a step's hundreds of kernel launches cost more host time than an 8B model's B=1
+    forward takes) and inductor's kernels on a CPU. Target.forward buckets shapes, so a decode
+    compiles a few graphs once each: one per batch size, token bucket and key bucket."""
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
+    mode = "reduce-overhead" if target.device.type == "cuda" else None
+    return replace(target, compiled=torch.compile(target.model, dynamic=False, mode=mode))
 
 
 def load_target(

@@ -13,3 +13,27 @@ def now(device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()
+
+
+class Clock:
+    """Marks on a device's timeline that cost no synchronisation to take: CUDA events recorded
+    on the stream (read once a later mark has completed, which a decode step's transfer of its
+    results has waited for anyway), perf_counter on a CPU. Six `now` reads per step were six
+    waits for an idle GPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, start, end) -> float:
+        """Time from mark `start` to mark `end` (waiting for `end` to complete)."""
+        if not self.cuda:
+            return end - start
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3

@@ -107,7 +107,9 @@ class Rotary(nn.Module):
         self.scaling = scaling
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions[..., None].float() * self.inv_freq.to(positions.device)  # [B, N, D/2]
+        if self.inv_freq.device != positions.device:  # moved once, not copied to the device every call
+            self.inv_freq = self.inv_freq.to(positions.device)
+        freqs = positions[..., None].float() * self.inv_freq  # [B, N, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
 

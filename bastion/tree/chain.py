@@ -9,12 +9,12 @@ from bastion.tree.proposal import BlockProposal
 
 
 def chain(proposal: BlockProposal, max_nodes: int) -> list[DraftTree]:
-    tokens = proposal.tokens[:, :, 0].tolist()  # [B, K]
-    logprobs = proposal.logprobs[:, :, 0].tolist()
+    tokens, logprobs = proposal.on_host()  # [B, K, k]
     trees = []
     for root, row_tokens, row_logprobs in zip(proposal.roots, tokens, logprobs):
         tree_tokens, parents, logq = [root], [-1], [0.0]
-        for token, lp in zip(row_tokens[:max_nodes], row_logprobs):
+        for candidates, lps in zip(row_tokens[:max_nodes], row_logprobs):
+            token, lp = int(candidates[0]), lps[0]
             if lp == -math.inf:
                 break
             tree_tokens.append(token)

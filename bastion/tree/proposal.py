@@ -27,6 +27,12 @@ class BlockProposal:
     def block_size(self) -> int:
         return self.tokens.shape[1]
 
+    def on_host(self) -> tuple[list, list]:
+        """tokens (as floats: exact below 2^53) and logprobs [B, K, k] as lists, in one
+        transfer from the device."""
+        tokens, logprobs = torch.stack([self.tokens.double(), self.logprobs.double()]).tolist()
+        return tokens, logprobs
+
     def distributions(self, sampling: Sampling, vocab_size: int) -> torch.Tensor:
         """The draft distributions q [B, K, V] that sampled trees are drawn from: the full
         logits through the same temperature / top-k / top-p as the target, or else the

@@ -48,7 +48,7 @@ def topology(shape: str | list) -> list[tuple[int, ...]]:
 
 def static(proposal: BlockProposal, max_nodes: int, shape: str | list = "eagle1_25") -> list[DraftTree]:
     paths = topology(shape)
-    tokens, logprobs = proposal.tokens.tolist(), proposal.logprobs.tolist()  # [B, K, k]
+    tokens, logprobs = proposal.on_host()  # [B, K, k]
     K, k = proposal.tokens.shape[1:]
     trees = []
     for root, row_tokens, row_logprobs in zip(proposal.roots, tokens, logprobs):
@@ -63,7 +63,7 @@ def static(proposal: BlockProposal, max_nodes: int, shape: str | list = "eagle1_
                 continue
             parent = index[path[:-1]]
             index[path] = len(tree_tokens)
-            tree_tokens.append(row_tokens[depth - 1][rank])
+            tree_tokens.append(int(row_tokens[depth - 1][rank]))
             parents.append(parent)
             logq.append(logq[parent] + lp)
         trees.append(DraftTree(tuple(tree_tokens), tuple(parents), tuple(logq)))

@@ -1,0 +1,93 @@
+"""The memory plan of a run from its config alone (models/memory.py does the counting): printed
+by plan=true, and checked before a GPU run downloads or loads anything."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from bastion.compose import MethodPlan
+from bastion.drafters.checkpoint import PROJECT_ROOT
+from bastion.files import read_json
+from bastion.models.attention import choose_kernel
+from bastion.models.memory import GB, HEADROOM, MemoryPlan, check_fits, checkpoint_parameters, model_args, plan_memory
+from bastion.models.target import DTYPES
+
+logger = logging.getLogger(__name__)
+
+
+def print_plan(cfg: DictConfig, drafting: list[MethodPlan], max_nodes: int) -> None:
+    """plan=true: the run's memory plan, then whether it fits the GPU; nothing loads."""
+    memory, device = device_memory(cfg)
+    params, absent = drafter_parameters(drafting)
+    plan = memory_plan(cfg, max_nodes, params, cuda=memory is not None)
+    if plan is None:
+        raise ValueError(f"Target {cfg.target.name} has no shape to plan from: add a `shape:` block (its config.json fields) "
+                         f"to conf/target/{cfg.target.name}.yaml, or set target.source to a local model directory.")
+    d = cfg.decode
+    logger.info("Memory plan of %s (%s) on the %s: batch %d, %d prompt tokens per row (plan_context) + %d new, trees of "
+                "up to %d draft nodes (GB = 1e9 bytes)", cfg.target.name, cfg.target.dtype, device, d.batch_size,
+                cfg.plan_context, d.max_new_tokens, max_nodes)
+    logger.info("%s", plan)
+    for checkpoint in absent:
+        logger.info("  not counted: the drafter %s, not downloaded yet", checkpoint)
+    if memory is not None:
+        check_fits(plan, memory, device)
+        logger.info("Fits: %.1f GB of the %.1f GB a plan may use (%.0f%% of the %s's %.0f GB).", plan.total / GB,
+                    HEADROOM * memory / GB, 100 * HEADROOM, device, memory / GB)
+
+
+def check_memory(cfg: DictConfig, drafting: list[MethodPlan], max_nodes: int) -> None:
+    """Refuse in one sentence a run whose memory plan does not fit its GPU. A run on a CPU, or
+    whose target's shape is not known before its weights download, is not checked."""
+    memory, device = device_memory(cfg)
+    if memory is not None and (plan := memory_plan(cfg, max_nodes, drafter_parameters(drafting)[0], cuda=True)):
+        check_fits(plan, memory, device)
+
+
+def device_memory(cfg: DictConfig) -> tuple[int | None, str]:
+    """The bytes the run must fit in and whose they are: the CUDA device's own, else the gpu
+    profile's capacity_gb (a plan for a GPU made on another machine); None on a CPU."""
+    if cfg.device.startswith("cuda"):
+        props = torch.cuda.get_device_properties(torch.device(cfg.device))
+        return props.total_memory, props.name
+    gb = cfg.gpu.get("capacity_gb")
+    return (int(gb * GB), cfg.gpu.name) if gb else (None, cfg.device)
+
+
+def memory_plan(cfg: DictConfig, max_nodes: int, drafter_params: int, cuda: bool) -> MemoryPlan | None:
+    """The run's memory plan (models/memory.py) from its config alone; None when the target's
+    shape is not known before its weights download."""
+    target = cfg.target
+    if target.dtype not in DTYPES:
+        raise ValueError(f"Unknown dtype '{target.dtype}'; choose one of {', '.join(DTYPES)}.")
+    local = Path(target.source).expanduser() / "config.json"
+    if target.source == "random":
+        shape = OmegaConf.to_container(target.hf_config, resolve=True)
+    elif local.is_file():
+        shape = read_json(local, "restore it from the model's source")
+    elif target.get("shape"):
+        shape = OmegaConf.to_container(target.shape, resolve=True)
+    else:
+        return None
+    kernel = choose_kernel(cfg.get("attention", "auto"), "cuda" if cuda else "cpu")
+    d = cfg.decode
+    return plan_memory(model_args(shape), DTYPES[target.dtype], d.batch_size, cfg.plan_context, d.max_new_tokens, max_nodes,
+                       kernel, drafter_params, cuda=cuda, sampled=d.temperature > 0)
+
+
+def drafter_parameters(drafting: list[MethodPlan]) -> tuple[int, list[str]]:
+    """Parameters of the run's drafter checkpoints that are on disk (read from their headers),
+    and the checkpoints that are not yet (Hub ids, counted once downloaded)."""
+    total, absent = 0, []
+    for checkpoint in dict.fromkeys(p.node.drafter.checkpoint for p in drafting if p.node.drafter.get("checkpoint")):
+        path = next((base / Path(checkpoint).expanduser() for base in (Path.cwd(), PROJECT_ROOT)
+                     if (base / Path(checkpoint).expanduser() / "config.json").is_file()), None)
+        if path is None:
+            absent.append(checkpoint)
+        else:
+            total += checkpoint_parameters(path)
+    return total, absent

@@ -1,0 +1,463 @@
+"""Everything a GPU can prove in one short run (issue #24): at paper scale, with no downloads.
+
+    python experiments/gpu_check.py out.json                 # one H100/H200, a few minutes
+    python experiments/gpu_check.py out.json --smoke         # every section on the CPU, a tiny shape
+
+A random-weight target shaped like Qwen3-8B (bf16) and a random drafter shaped like
+z-lab/Qwen3-8B-DFlash-b16 stand in for the real models: none of the checks below needs trained
+weights, and none of them may wait for a 16 GB download. Sections, each timed and each
+recorded in the JSON even when another fails (its traceback in place of its figures):
+
+- target: the random target, built on the device (`load_target(source="random")` draws every
+  weight on the CPU first: 33 GB and minutes for 8B parameters);
+- logits: our logits next to transformers' Qwen3ForCausalLM holding the same weight tensors;
+- attention: flex and triton against SDPA's dense-mask path at paper scale (B=16, N=257 tree
+  tokens after ~4k ragged prefixes), the fused-SDPA backend PyTorch picks for that mask, times;
+- verify_latency: measured verify forwards, N x B, against the latency model's profile prior and
+  its probe-calibrated fit (budget/latency.py);
+- lossless: AR against best-first trees (a fixed budget and BASTION's) with the random drafter:
+  exact equality, and `lossless_ties` (bench/divergence.py) where bf16 rounding can flip a near-tie;
+- memory: the measured peak of a decode against models/memory.py's plan;
+- host_step: the host's share of a decode step (experiments/host_step.py) on the big target.
+
+The JSON is rewritten after every section, so a run cut short keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import asdict, dataclass, replace
+from functools import cached_property
+from importlib import metadata
+from pathlib import Path
+from statistics import median
+
+import numpy as np
+import torch
+from omegaconf import OmegaConf
+
+from bastion.bench.divergence import first_difference, is_tie, tie_gap
+from bastion.budget.controller import BastionBudget
+from bastion.budget.fixed import FixedBudget
+from bastion.budget.hardware import device_name
+from bastion.budget.latency import PROBE_SIZES, LatencyModel, probe
+from bastion.compose import hardware
+from bastion.drafters.dflash import DFlashDrafter, evenly_spaced_layers, new_dflash_config
+from bastion.engine import generate
+from bastion.files import atomic_write_text
+from bastion.models.attention import Layout, attend, choose_kernel
+from bastion.models.memory import GB, model_args, plan_memory
+from bastion.models.target import Target
+from bastion.models.timer import Clock
+from bastion.models.transformer import ModelArgs, Transformer
+from bastion.tree.best_first import best_first
+from bastion.tree.draft_tree import DraftTree, pack
+from host_step import step_split
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Scale:
+    """The shapes and sizes of one run: the paper's on a GPU, or a tiny smoke run on the CPU."""
+
+    target: str  # conf/target/<target>.yaml, whose `shape` (or random `hf_config`) the random target takes
+    dtype: torch.dtype
+    device: str
+    kernels: tuple[str, ...]  # attention kernels compared with sdpa
+    drafter_layers: int  # the random DFlash drafter: 5 layers, blocks of 16, 5 target layers as z-lab's
+    block_size: int
+    feature_layers: int
+    mask_token_id: int
+    logit_tokens: int  # the input logits are compared on
+    attention_batch: int
+    attention_nodes: int
+    attention_prefix: tuple[int, int]  # verified tokens per row, drawn from this range
+    grid_batches: tuple[int, ...]
+    grid_nodes: tuple[int, ...]
+    grid_context: int
+    probe_sizes: tuple[int, ...]  # the start-up probe's forward sizes (budget/latency.py)
+    repeats: int  # timed forwards per measurement (after one untimed)
+    lossless_batch: int
+    prompt_tokens: tuple[int, int]  # prompt lengths, drawn from this range
+    lossless_tokens: int  # new tokens per prompt
+    fixed_nodes: int
+    memory_batch: int
+    memory_context: int
+    memory_tokens: int
+    memory_nodes: int
+    host_batches: tuple[int, ...]
+    host_nodes: tuple[int, ...]
+    host_tokens: int
+
+
+PAPER = Scale(
+    target="qwen3_8b", dtype=torch.bfloat16, device="cuda", kernels=("sdpa", "flex", "triton"),
+    drafter_layers=5, block_size=16, feature_layers=5, mask_token_id=151669,  # z-lab Qwen3 drafters' mask token
+    logit_tokens=32, attention_batch=16, attention_nodes=257, attention_prefix=(3584, 4096),
+    grid_batches=(1, 4, 16), grid_nodes=(1, 4, 16, 64, 256, 1024), grid_context=1024, probe_sizes=PROBE_SIZES,
+    repeats=5,
+    lossless_batch=4, prompt_tokens=(96, 160), lossless_tokens=128, fixed_nodes=64,
+    memory_batch=16, memory_context=1024, memory_tokens=32, memory_nodes=256,
+    host_batches=(1, 16), host_nodes=(16, 256), host_tokens=24,
+)
+SMOKE = Scale(
+    target="tiny_qwen3", dtype=torch.float32, device="cpu",
+    # Triton runs on a CPU only under its interpreter, chosen before triton is first imported.
+    kernels=("sdpa", "flex") + (("triton",) if os.environ.get("TRITON_INTERPRET") == "1" else ()),
+    drafter_layers=1, block_size=16, feature_layers=2, mask_token_id=16,
+    logit_tokens=16, attention_batch=3, attention_nodes=17, attention_prefix=(8, 40),
+    grid_batches=(1, 2), grid_nodes=(1, 4, 16), grid_context=32, probe_sizes=(1, 2, 4, 8, 16), repeats=2,
+    lossless_batch=2, prompt_tokens=(8, 24), lossless_tokens=16, fixed_nodes=8,
+    memory_batch=2, memory_context=32, memory_tokens=8, memory_nodes=16,
+    host_batches=(1, 2), host_nodes=(4, 16), host_tokens=8,
+)
+
+
+def target_fields(name: str) -> dict:
+    """A target preset's transformers config fields: a Hub model's `shape`, a random one's
+    `hf_config`; an initializer_range where the preset has none (Qwen3's own, 0.02)."""
+    entry = OmegaConf.load(ROOT / "conf" / "target" / f"{name}.yaml")
+    return {"initializer_range": 0.02, **OmegaConf.to_container(entry.get("shape") or entry.hf_config, resolve=True)}
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype):
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def randomize(module: torch.nn.Module, std: float, generator: torch.Generator) -> None:
+    """_random_model's weights (models/target.py): norms 1 + 0.1 N(0, 1), the rest std N(0, 1),
+    drawn where the parameters live."""
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if name.endswith("norm.weight"):
+                p.normal_(1.0, 0.1, generator=generator)
+            else:
+                p.normal_(0.0, std, generator=generator)
+
+
+def random_target(name: str, fields: dict, dtype: torch.dtype, device: str, attention: str, seed: int = 0) -> Target:
+    """load_target(source="random") built in place: the modules are created on `device` in
+    `dtype` and drawn there, so 8B parameters take seconds and no host copy. No EOS: every row
+    decodes all its tokens, so methods compare over the same lengths."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(**fields)
+    with torch.device(device), default_dtype(dtype):
+        model = Transformer(ModelArgs.from_hf_config(config), config)
+    randomize(model, config.initializer_range, torch.Generator(device).manual_seed(seed))
+    return Target(model.eval(), None, f"{name}-random", config, attention=choose_kernel(attention, device))
+
+
+class Run:
+    """What the sections share, built when first asked for (a section that fails to build it
+    records why, and the next one tries again)."""
+
+    def __init__(self, scale: Scale, attention: str, cache_dir: Path):
+        self.scale, self.attention, self.cache_dir = scale, attention, cache_dir
+
+    @cached_property
+    def target(self) -> Target:
+        s = self.scale
+        return random_target(s.target, target_fields(s.target), s.dtype, s.device, self.attention)
+
+    @cached_property
+    def drafter(self) -> DFlashDrafter:
+        """A random DFlash drafter shaped like z-lab/Qwen3-8B-DFlash-b16: it accepts little, which
+        the checks do not mind (losslessness holds for any drafter)."""
+        s, target = self.scale, self.target
+        layers = evenly_spaced_layers(target.args.n_layers, s.feature_layers)
+        config = new_dflash_config(target, s.drafter_layers, s.block_size, layers, s.mask_token_id)
+        top_k = OmegaConf.load(ROOT / "conf" / "drafter" / "dflash.yaml").top_k
+        with torch.device(s.device), default_dtype(s.dtype):
+            drafter = DFlashDrafter(config, target, top_k=top_k)
+        randomize(drafter, target.config.initializer_range, torch.Generator(s.device).manual_seed(1))
+        return drafter.eval()
+
+    @cached_property
+    def hardware(self):
+        """The profile run.py's gpu=auto picks: conf/gpu/<name>.yaml matched by the device's name."""
+        return hardware(OmegaConf.create({"gpu": {"name": "auto"}, "device": self.scale.device}))
+
+
+def random_prompts(n: int, lengths: tuple[int, int], vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(rng.randint(*lengths))] for _ in range(n)]
+
+
+def random_trees(batch: int, nodes: int, vocab: int, seed: int) -> list[DraftTree]:
+    """Trees of `nodes` tokens (root included) whose node i hangs below a random earlier node."""
+    rng = random.Random(seed)
+    trees = []
+    for _ in range(batch):
+        parents = [-1] + [rng.randrange(i) for i in range(1, nodes)]
+        trees.append(DraftTree(tuple(rng.randrange(vocab) for _ in range(nodes)), tuple(parents), (0.0,) * nodes))
+    return trees
+
+
+def median_seconds(fn, device: str, repeats: int) -> float:
+    """Median of `repeats` timed calls after an untimed one (compiles, caches), on the device's
+    own clock (CUDA events)."""
+    clock = Clock(torch.device(device))
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = clock.mark()
+        fn()
+        times.append(clock.seconds(start, clock.mark()))
+    return median(times)
+
+
+# ---- sections ---------------------------------------------------------------------------------
+def section_target(run: Run) -> dict:
+    target = run.target
+    out = {"name": target.name, "parameters": sum(p.numel() for p in target.model.parameters()),
+           "dtype": str(target.dtype), "attention": target.attention, "shape": asdict(target.args)}
+    if run.scale.device == "cuda":
+        out["allocated_gb"] = torch.cuda.memory_allocated() / GB
+    return out
+
+
+def section_logits(run: Run) -> dict:
+    """transformers' Qwen3ForCausalLM is built on the meta device and handed our weight tensors
+    (the Hub's names, `model.` added), so the whole model is compared at no memory cost."""
+    from transformers import AutoModelForCausalLM
+
+    target = run.target
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(target.config, attn_implementation="sdpa")
+    state = {(k if k == "lm_head.weight" else f"model.{k}"): v for k, v in target.model.state_dict().items()}
+    missing, unexpected = hf.load_state_dict(state, strict=False, assign=True)
+    if missing or unexpected:
+        raise ValueError(f"transformers' model does not take our weights: missing {missing[:3]}, "
+                         f"unexpected {unexpected[:3]}")
+    with torch.device(target.device):
+        hf.model.rotary_emb = type(hf.model.rotary_emb)(target.config)  # its tables are buffers, not weights
+    tokens = random_prompts(1, (run.scale.logit_tokens,) * 2, target.args.vocab_size, seed=3)[0]
+    with torch.inference_mode():
+        expected = hf.eval()(torch.tensor([tokens], device=target.device)).logits[0].float()  # [T, V]
+    out = {"reference": "transformers AutoModelForCausalLM (sdpa), the same weight tensors",
+           "layers": target.args.n_layers, "tokens": len(tokens), "max_abs_logit": float(expected.abs().max())}
+    for kernel in run.scale.kernels:
+        ours = replace(target, attention=kernel).score(tokens).float()
+        out[kernel] = {"max_abs_diff": float((ours - expected).abs().max()),
+                       "argmax_agreement": float((ours.argmax(-1) == expected.argmax(-1)).float().mean())}
+    return out
+
+
+def section_attention(run: Run) -> dict:
+    """Each kernel on one paper-scale verify: q/k/v drawn in the model's dtype, a random tree per
+    row after a ragged verified prefix. Errors against sdpa (the library's dense-mask path) and
+    against the same in float32; flex's block mask is built once, as a forward shares it."""
+    s, args = run.scale, model_args(target_fields(run.scale.target))
+    B, N, H, Hkv, D = s.attention_batch, s.attention_nodes, args.n_heads, args.n_kv_heads, args.head_dim
+    g = torch.Generator(s.device).manual_seed(0)
+    prefix = torch.randint(s.attention_prefix[0], s.attention_prefix[1] + 1, (B,), generator=g, device=s.device)
+    S = int(prefix.max()) + N
+    q = torch.randn(B, H, N, D, generator=g, device=s.device).to(s.dtype)
+    k, v = (torch.randn(B, Hkv, S, D, generator=g, device=s.device).to(s.dtype) for _ in range(2))
+    _, _, tree = pack(random_trees(B, N, vocab=1, seed=0), s.device)  # [B, N, N]
+    layout = Layout(prefix, tree, N, S, "sdpa")
+    exact = attend(q.float(), k.float(), v.float(), layout)
+    sdpa = attend(q, k, v, layout)
+    out = {"shape": {"B": B, "H": H, "Hkv": Hkv, "D": D, "N": N, "prefix": prefix.tolist(), "dtype": str(s.dtype)},
+           "sdpa_backend": torch.nn.attention.SDPBackend(
+               torch._fused_sdp_choice(q, k, v, attn_mask=layout.dense(), enable_gqa=H != Hkv)).name}
+    for kernel in s.kernels:
+        kernel_layout = replace(layout, kernel=kernel)
+        got = attend(q, k, v, kernel_layout)
+        out[kernel] = {"max_abs_err_vs_sdpa": float((got.float() - sdpa.float()).abs().max()),
+                       "max_abs_err_vs_float32": float((got.float() - exact).abs().max()),
+                       "median_ms": 1e3 * median_seconds(lambda: attend(q, k, v, kernel_layout), s.device, s.repeats)}
+    if "flex" in s.kernels:
+        fresh = replace(layout, kernel="flex")  # its block_mask is built on first use, then kept
+        out["flex"]["block_mask_ms"] = 1e3 * median_seconds(lambda: replace(fresh).block_mask, s.device, s.repeats)
+    return out
+
+
+def section_verify_latency(run: Run) -> dict:
+    """Verify forwards (the target's forward and the argmax greedy verification reads) of N tree
+    tokens in each of B rows after `grid_context` cached ones, against the latency model: the
+    hardware profile's prior, and its fit to the start-up probe (budget/latency.py)."""
+    s, target = run.scale, run.target
+    models = {name: LatencyModel.from_profile(target.args, target.dtype, run.hardware)
+              for name in ("prior", "calibrated")}
+    out = {"profile": asdict(run.hardware), "context": s.grid_context, "repeats": s.repeats}
+    try:
+        probe(target, models["calibrated"], sizes=s.probe_sizes)  # what calibrated() fits, without its cache file
+    except ValueError as error:  # the probe refuses timings a busy machine disturbed
+        out["calibrated_error"] = str(error)
+        del models["calibrated"]
+    cells = []
+    for B in s.grid_batches:
+        cache = target.new_cache(B, s.grid_context + max(s.grid_nodes))
+        cache.lengths = [s.grid_context] * B  # forwards write past the prefix and commit nothing
+        for N in s.grid_nodes:
+            tokens, depths, mask = pack(random_trees(B, N, target.args.vocab_size, seed=N), target.device)
+            seconds = median_seconds(lambda: target.argmax(target.forward(tokens, depths, mask, cache)[0]),
+                                     s.device, s.repeats)
+            cell = {"B": B, "N": N, "measured_ms": 1e3 * seconds}
+            for name, model in models.items():
+                predicted = float(model.predict(np.full(B, N), np.full(B, s.grid_context)))
+                cell[f"{name}_ms"], cell[f"{name}_error"] = 1e3 * predicted, predicted / seconds - 1
+            cells.append(cell)
+    for name in models:
+        out[f"{name}_median_abs_error"] = float(np.median([abs(c[f"{name}_error"]) for c in cells]))
+    return {**out, "cells": cells}
+
+
+def divergence(target: Target, prompt: list[int], ar: list[int], ours: list[int]) -> dict | None:
+    """bench/divergence.py's record of where `ours` first leaves AR's output, for token prompts
+    (its `divergence` builds chat prompts from text): AR's logit gap between the two tokens
+    under AR's context, and the gap a tie allows. Outputs here have no EOS, so equal lengths."""
+    at = first_difference(ours, ar)
+    if at is None:
+        return None
+    logits = target.score(prompt + ar[:at])[-1].float()
+    return {"position": at, "ar_token": ar[at], "token": ours[at], "gap": float(logits[ar[at]] - logits[ours[at]]),
+            "tie_gap": tie_gap(target.dtype, float(logits.max()))}
+
+
+def section_lossless(run: Run) -> dict:
+    s, target = run.scale, run.target
+    prompts = random_prompts(s.lossless_batch, s.prompt_tokens, target.args.vocab_size, seed=4)
+    ar = generate(target, prompts, max_new_tokens=s.lossless_tokens)
+    bastion = BastionBudget(probe=False)  # the profile's prior: sizing does not change what is accepted
+    bastion.start(target, run.hardware, run.cache_dir)
+    out = {"prompts": [len(p) for p in prompts], "new_tokens": s.lossless_tokens, "ar_s": ar.wall_s}
+    budgets = {f"best_first+fixed{s.fixed_nodes}": FixedBudget(s.fixed_nodes), "best_first+bastion": bastion}
+    for name, budget in budgets.items():
+        decoding = generate(target, prompts, drafter=run.drafter, policy=best_first, budget=budget,
+                            max_new_tokens=s.lossless_tokens)
+        found = [divergence(target, prompt, a.tokens, d.tokens)
+                 for prompt, a, d in zip(prompts, ar.generations, decoding.generations)]
+        produced, rows = (sum(sum(st.produced) for st in decoding.steps), sum(len(st.rows) for st in decoding.steps))
+        out[name] = {"exact": all(f is None for f in found), "lossless_ties": all(map(is_tie, found)),
+                     "divergences": [f for f in found if f is not None], "seconds": decoding.wall_s,
+                     "tokens_per_step": produced / max(1, rows)}
+    return out
+
+
+def section_memory(run: Run) -> dict:
+    """The peak a drafted decode allocates, weights included, against models/memory.py's plan
+    for the same settings (on a CPU, the plan alone: no allocator to ask)."""
+    s, target, drafter = run.scale, run.target, run.drafter
+    B, context, new, nodes = s.memory_batch, s.memory_context, s.memory_tokens, s.memory_nodes
+    plan = plan_memory(target.args, target.dtype, batch=B, context=context, max_new_tokens=new, max_nodes=nodes,
+                       kernel=target.attention, drafter_params=sum(p.numel() for p in drafter.parameters()),
+                       extra_tokens=drafter.extra_tokens(nodes), cuda=s.device == "cuda")
+    out = {"batch": B, "context": context, "new_tokens": new, "nodes": nodes, "kernel": target.attention,
+           "plan_gb": {part: n / GB for part, n in {**plan.resident, **plan.transients}.items()},
+           "plan_peak_gb": plan.total / GB, "plan_largest_transient": plan.largest_transient, "measured_peak_gb": None}
+    prompts = random_prompts(B, (context, context), target.args.vocab_size, seed=5)
+    if s.device == "cuda":
+        gc.collect()
+        torch.cuda.reset_peak_memory_stats()
+        out["allocated_before_gb"] = torch.cuda.memory_allocated() / GB
+    generate(target, prompts, drafter=drafter, policy=best_first, budget=FixedBudget(nodes), max_new_tokens=new)
+    if s.device == "cuda":
+        out["measured_peak_gb"] = torch.cuda.max_memory_allocated() / GB
+        out["measured_reserved_gb"] = torch.cuda.max_memory_reserved() / GB  # the allocator's, what an OOM counts
+        out["plan_over_measured"] = out["plan_peak_gb"] / out["measured_peak_gb"]
+    return out
+
+
+def section_host_step(run: Run) -> dict:
+    """experiments/host_step.py's split of a step (random candidates, no draft cost, a fixed
+    budget) on this run's target: what the host adds to each verify forward."""
+    s, cells = run.scale, []
+    for B in s.host_batches:
+        for N in s.host_nodes:
+            total, forward = step_split(run.target, best_first, FixedBudget(N), B, s.host_tokens)
+            cells.append({"B": B, "N": N, "step_ms": 1e3 * total, "forward_ms": 1e3 * forward,
+                          "host_ms": 1e3 * (total - forward)})
+    return {"new_tokens": s.host_tokens, "cells": cells}
+
+
+SECTIONS = {"target": section_target, "logits": section_logits, "attention": section_attention,
+            "verify_latency": section_verify_latency, "lossless": section_lossless, "memory": section_memory,
+            "host_step": section_host_step}
+
+
+def plain(value):
+    """A figure JSON cannot hold as it is: a numpy or torch scalar's number, anything else's text."""
+    return value.item() if hasattr(value, "item") else str(value)
+
+
+def version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def run_section(run: Run, section) -> dict:
+    """One section's figures, or its traceback; its seconds, and on CUDA its peak allocation."""
+    cuda = run.scale.device == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    started = time.perf_counter()
+    try:
+        result = {"ok": True, **section(run)}
+        if cuda:
+            torch.cuda.synchronize()  # its queued work counts in its time, and its errors here
+    except Exception as error:  # every section runs and reports, whatever another one raised
+        summary = f"{type(error).__name__}: {error}".splitlines()[0]
+        result = {"ok": False, "error": summary, "traceback": traceback.format_exc()}
+    result["seconds"] = time.perf_counter() - started
+    if cuda:
+        result["peak_allocated_gb"] = torch.cuda.max_memory_allocated() / GB
+    return result
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description="Paper-scale checks on one GPU, one JSON out (module docstring).")
+    parser.add_argument("out", nargs="?", default=str(Path(os.environ.get("OUT", ".")) / "gpu_check.json"))
+    parser.add_argument("--smoke", action="store_true", help="every section on the CPU with a tiny shape (~1 min)")
+    parser.add_argument("--attention", default="auto", help="the target's kernel: auto, sdpa, flex, triton")
+    parser.add_argument("--only", default=",".join(SECTIONS), help=f"some of {', '.join(SECTIONS)}, comma-separated")
+    args = parser.parse_args(argv)
+    scale = SMOKE if args.smoke else PAPER
+    if scale.device == "cuda" and not torch.cuda.is_available():
+        print("torch sees no CUDA device: run this on a GPU machine, or with --smoke to check it on the CPU.",
+              file=sys.stderr)
+        return 2
+    unknown = set(args.only.split(",")) - set(SECTIONS)
+    if unknown:
+        print(f"Unknown sections {sorted(unknown)}; choose from {', '.join(SECTIONS)}.", file=sys.stderr)
+        return 2
+    report = {"device": device_name(scale.device), "torch": torch.__version__,
+              "cuda": torch.version.cuda, "triton": version("triton"), "transformers": version("transformers"),
+              "smoke": args.smoke, "target": scale.target, "dtype": str(scale.dtype), "sections": {}}
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory() as cache_dir:  # budgets start with one; nothing is left behind
+        run = Run(scale, args.attention, Path(cache_dir))
+        for name, section in SECTIONS.items():
+            if name not in args.only.split(","):
+                continue
+            result = report["sections"][name] = run_section(run, section)
+            report["wall_s"] = time.perf_counter() - started
+            atomic_write_text(args.out, json.dumps(report, indent=1, default=plain))
+            last = "" if result["ok"] else ": " + result["error"]
+            print(f"{name:<15} {'ok' if result['ok'] else 'FAILED'} in {result['seconds']:.1f} s{last}", flush=True)
+    print(f"{args.out}: {report['wall_s']:.0f} s on {report['device']}")
+    return 0 if all(r["ok"] for r in report["sections"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

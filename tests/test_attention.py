@@ -1,0 +1,81 @@
+"""Attention kernels against the dense-mask SDPA reference, and Layout's mask against its definition."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from bastion.models.attention import Layout, attend, choose_kernel
+
+
+def random_tree_masks(B: int, N: int, generator: torch.Generator) -> torch.Tensor:
+    """[B, N, N] ancestor masks of random trees (node 0 the root, parents before children)."""
+    masks = torch.zeros(B, N, N, dtype=torch.bool)
+    for b in range(B):
+        for i in range(N):
+            if i:
+                masks[b, i] = masks[b, int(torch.randint(i, (1,), generator=generator))]
+            masks[b, i, i] = True
+    return masks
+
+
+def definition(layout: Layout) -> torch.Tensor:
+    """The mask as the docstring states it, slot by slot."""
+    B, N, S = len(layout.prefix), layout.n_new, layout.n_keys
+    mask = torch.zeros(B, 1, N, S, dtype=torch.bool)
+    for b in range(B):
+        p = int(layout.prefix[b])
+        for i in range(N):
+            for s in range(S):
+                j = s - p
+                among = j <= i if layout.tree is None else bool(layout.tree[b, i, j]) if 0 <= j < N else False
+                mask[b, 0, i, s] = s < p or (0 <= j < N and among)
+    return mask
+
+
+def case(B=3, H=4, Hkv=2, N=7, prefix=(0, 5, 11), tree=True, D=16, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    prefix = torch.tensor(prefix[:B])
+    S = int(prefix.max()) + N
+    q = torch.randn(B, H, N, D, generator=g).to(dtype)
+    k, v = (torch.randn(B, Hkv, S + 5, D, generator=g).to(dtype)[:, :, :S] for _ in range(2))  # cache slices
+    layout = Layout(prefix, random_tree_masks(B, N, g) if tree else None, N, S)
+    return q, k, v, layout
+
+
+@pytest.mark.parametrize("tree", [True, False])
+def test_layout_mask_is_its_definition(tree):
+    _, _, _, layout = case(tree=tree)
+    assert torch.equal(layout.dense(), definition(layout))
+
+
+def reference(q, k, v, layout):
+    out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=definition(layout), enable_gqa=True)
+    B, H, N, D = out.shape
+    return out.transpose(1, 2).reshape(B, N, H * D)
+
+
+@pytest.mark.parametrize("shape", [
+    dict(),  # ragged rows, a tree, GQA
+    dict(tree=False),  # a prompt chunk after a verified prefix
+    dict(Hkv=4),  # no GQA
+    dict(prefix=(0, 0, 0), tree=False),  # a prefill: the causal SDPA path without a mask
+    dict(B=1, prefix=(9,)),
+])
+def test_sdpa_equals_the_reference(shape):
+    q, k, v, layout = case(**shape)
+    assert torch.allclose(attend(q, k, v, layout), reference(q, k, v, layout), atol=1e-5)
+
+
+def test_flex_equals_the_reference():
+    """FlexAttention compiled as CUDA runs it (inductor's CPU template here), on two shapes in one
+    compile (dynamic shapes: every decode step has its own N and S)."""
+    for shape in (dict(), dict(N=5, prefix=(0, 3, 20), Hkv=1), dict(prefix=(0, 0, 0), tree=False)):
+        q, k, v, layout = case(**shape)
+        flex = Layout(layout.prefix, layout.tree, layout.n_new, layout.n_keys, "flex")
+        assert torch.allclose(attend(q, k, v, flex), reference(q, k, v, layout), atol=1e-5)
+
+
+def test_kernel_choice():
+    assert choose_kernel("auto", "cpu") == "sdpa" and choose_kernel("auto", "cuda:0") == "flex"
+    with pytest.raises(ValueError, match="Unknown attention kernel 'xformers'; choose auto, sdpa, flex, triton."):
+        choose_kernel("xformers", "cpu")

@@ -1,0 +1,23 @@
+"""decode.compile=true: the target's forward captured by torch.compile (inductor on a CPU)
+over bucketed shapes decodes exactly AR's tokens."""
+
+from __future__ import annotations
+
+import pytest
+
+from bastion.budget.fixed import FixedBudget
+from bastion.engine import generate
+from bastion.models.target import compile_forward
+from bastion.tree.best_first import best_first
+from tests.helpers import OracleDrafter, ar_outputs
+
+
+@pytest.mark.slow
+def test_compiled_decoding_gives_ar_tokens(tiny_qwen3):
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 11, 12, 9, 10, 11, 12]]  # one prefill shape
+    expected = ar_outputs(tiny_qwen3, prompts, 10)
+    compiled = compile_forward(tiny_qwen3)
+    assert ar_outputs(compiled, prompts, 10) == expected
+    decoding = generate(compiled, prompts, drafter=OracleDrafter(dict(zip(map(tuple, prompts), expected)), vocab=49152), policy=best_first, budget=FixedBudget(5), max_new_tokens=10)
+    assert [g.tokens for g in decoding.generations] == expected
+    assert any(n > 1 for s in decoding.steps for n in s.produced), "no draft was accepted: the trees were not exercised"

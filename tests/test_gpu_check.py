@@ -1,0 +1,48 @@
+"""experiments/gpu_check.py is ready for a GPU: its smoke mode runs every section on the CPU
+(a tiny shape, the Triton kernel under its interpreter) and writes the JSON a GPU run writes."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+
+SECTIONS = ("target", "logits", "attention", "verify_latency", "lossless", "memory", "host_step")
+
+
+@pytest.mark.slow
+def test_smoke_run_reports_every_section(tmp_path):
+    env = {**os.environ, "OUT": str(tmp_path)}  # the default output path: $OUT/gpu_check.json
+    if importlib.util.find_spec("triton") is not None:
+        env["TRITON_INTERPRET"] = "1"
+    result = subprocess.run([sys.executable, str(ROOT / "experiments" / "gpu_check.py"), "--smoke"], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=600)
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    failed = {name: s.get("traceback") for name, s in report["sections"].items() if not s["ok"]}
+    assert result.returncode == 0 and not failed, (failed, result.stderr[-2000:])
+    assert tuple(report["sections"]) == SECTIONS and report["smoke"]
+    assert {"device", "torch", "triton", "wall_s"} <= report.keys()
+    assert all(s["seconds"] > 0 for s in report["sections"].values())
+    for name in SECTIONS:
+        assert f"{name:<15} ok in " in result.stdout
+
+    sections = report["sections"]
+    kernels = [k for k in ("sdpa", "flex", "triton") if k in sections["attention"]]
+    assert kernels[:2] == ["sdpa", "flex"]
+    for kernel in kernels:  # float32: every kernel is transformers' and SDPA's within rounding
+        assert sections["logits"][kernel]["max_abs_diff"] < 1e-4 and sections["logits"][kernel]["argmax_agreement"] == 1.0
+        assert sections["attention"][kernel]["max_abs_err_vs_float32"] < 1e-5
+    cells = sections["verify_latency"]["cells"]
+    assert {(c["B"], c["N"]) for c in cells} == {(b, n) for b in (1, 2) for n in (1, 4, 16)}
+    assert all(c["measured_ms"] > 0 and c["prior_ms"] > 0 for c in cells)
+    lossless = sections["lossless"]
+    assert {"best_first+fixed8", "best_first+bastion"} <= lossless.keys()
+    assert all({"exact", "lossless_ties", "divergences"} <= lossless[m].keys() for m in ("best_first+fixed8", "best_first+bastion"))
+    assert sections["memory"]["plan_peak_gb"] > 0 and sections["memory"]["measured_peak_gb"] is None  # no CUDA allocator
+    assert len(sections["host_step"]["cells"]) == 4

@@ -1,0 +1,54 @@
+"""A greedy decode step waits for the device at most twice: once for the drafts its trees are
+built from, once for the verification's accepted paths."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+from bastion.budget.fixed import FixedBudget
+from bastion.drafters.dflash import DFlashDrafter, new_dflash_config
+from bastion.engine import _step, generate
+from bastion.tree.best_first import best_first
+from bastion.tree.chain import chain
+from bastion.tree.static import static
+
+READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.cpu, torch.Tensor.__bool__,
+         torch.Tensor.__int__, torch.Tensor.__float__, torch.Tensor.__index__}
+
+
+class DeviceReads(TorchFunctionMode):
+    """Counts reads of tensor values by the host (what is a device-to-host transfer on a GPU);
+    reading a tensor that such a read already brought over (`.cpu().numpy()`) is not another."""
+
+    def __init__(self):
+        super().__init__()
+        self.count, self.on_host = 0, set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in READS and id(args[0]) not in self.on_host:
+            self.count += 1
+            if isinstance(out, torch.Tensor):
+                self.on_host.add(id(out))
+        return out
+
+
+@pytest.mark.parametrize("policy", [best_first, chain, partial(static, shape="eagle1_25")], ids=["best_first", "chain", "static"])
+def test_a_greedy_step_reads_the_device_at_most_twice(tiny_qwen3, policy, monkeypatch):
+    drafter = DFlashDrafter(new_dflash_config(tiny_qwen3, 1, 4, [0, 1], 16), tiny_qwen3).to(tiny_qwen3.dtype).eval()
+    counts = []
+
+    def counted(m, batch):
+        with DeviceReads() as reads:
+            step = _step(m, batch)
+        counts.append(reads.count)
+        return step
+
+    monkeypatch.setattr("bastion.engine._step", counted)
+    prompts = [[5 + i, 17, 300 + 7 * i, 41] for i in range(3)]
+    generate(tiny_qwen3, prompts, drafter=drafter, policy=policy, budget=FixedBudget(16), max_new_tokens=12)
+    assert counts and max(counts) <= 2, counts
