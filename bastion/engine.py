@@ -220,8 +220,9 @@ def _step(m: _Method, batch: _Batch) -> Step:
     else:  # the drafter's verification forward (FlexDraft drafts inside it where the budget says so)
         parallel = m.budget.parallel(tokens.shape[1], lambda: m.drafter.parallel_tokens(trees), contexts)
         hidden, features, width = m.drafter.verify_forward(m.target, cache, trees, tokens, depths, tree_mask, m.capture, parallel)
-    verdicts = _verify(m, batch, hidden, trees, tokens, depths, tree_mask, draft_probs)  # waits for the device: its results
+    scores = _scores(m, batch, hidden, depths)
     t3 = clock.mark()
+    verdicts = _verify(m, scores, trees, tokens, depths, tree_mask, draft_probs)  # waits for the device once
     paths = [v.path for v in verdicts]
     cache.commit(paths)
     if proposal is not None:
@@ -254,19 +255,26 @@ def _draft_trees(m: _Method, proposal, contexts: list[int]):
     return [sample_children(tree, draft_probs[b], m.generator) for b, tree in enumerate(trees)], draft_probs
 
 
-def _verify(m: _Method, batch: _Batch, hidden: torch.Tensor, trees: list[DraftTree], tokens: torch.Tensor,
-            depths: torch.Tensor, tree_mask: torch.Tensor, draft_probs):
-    """Each row's accepted path and new tokens from the verification forward's hidden states
-    [B, M, h]: greedily against the target's argmax (no float32 logits) or keyed scores, or by
-    rejection sampling of sampled children."""
+def _scores(m: _Method, batch: _Batch, hidden: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
+    """What verification reads of the forward's hidden states [B, M, h], the device's part of
+    it: the target's choice after each node [B, M] (its argmax, without float32 logits, or the
+    argmax of keyed scores), or for sampled children the logits [B, M, V]."""
     if m.sampling.greedy:
-        return verify_greedy(m.target.argmax(hidden), trees, tokens, depths, tree_mask)
-    logits = m.target.logits(hidden)  # [B, M, V]
+        return m.target.argmax(hidden)
+    logits = m.target.logits(hidden)
     if not m.sampling.keyed:
-        return verify_sampled(logits, trees, m.sampling, m.generator, draft_probs)
+        return logits
     start = torch.tensor([len(batch.decoding.generations[i].tokens) for i in batch.active], device=logits.device)  # [B] output position after each root
-    choice = m.sampling.scores(logits, m.seed, m.keys[batch.active], start, depths).argmax(-1)
-    return verify_greedy(choice, trees, tokens, depths, tree_mask)
+    return m.sampling.scores(logits, m.seed, m.keys[batch.active], start, depths).argmax(-1)
+
+
+def _verify(m: _Method, scores: torch.Tensor, trees: list[DraftTree], tokens: torch.Tensor, depths: torch.Tensor,
+            tree_mask: torch.Tensor, draft_probs):
+    """Each row's accepted path and new tokens: the deepest node the target's choices agree
+    with, or by rejection sampling of sampled children."""
+    if m.sampling.keyed:  # greedy included
+        return verify_greedy(scores, trees, tokens, depths, tree_mask)
+    return verify_sampled(scores, trees, m.sampling, m.generator, draft_probs)
 
 
 def _first_tokens(logits: torch.Tensor, sampling: Sampling, seed: int, keys: torch.Tensor, generator) -> list[int]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from bastion.budget.fixed import FixedBudget
+from bastion.budget.latency import probe_times
 from bastion.engine import generate
 from bastion.models.target import compile_forward
 from bastion.tree.best_first import best_first
@@ -21,3 +22,4 @@ def test_compiled_decoding_gives_ar_tokens(tiny_qwen3):
     decoding = generate(compiled, prompts, drafter=OracleDrafter(dict(zip(map(tuple, prompts), expected)), vocab=49152), policy=best_first, budget=FixedBudget(5), max_new_tokens=10)
     assert [g.tokens for g in decoding.generations] == expected
     assert any(n > 1 for s in decoding.steps for n in s.produced), "no draft was accepted: the trees were not exercised"
+    assert len(probe_times(compiled, [3], context=8, repeats=1)[0]) == 1  # the probe sizes its cache for the bucket of 3

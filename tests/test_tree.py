@@ -102,3 +102,4 @@ def test_best_first_skips_missing_candidates():
     p = proposal([[1.0, 0.0], [0.5, 0.0]])
     (tree,) = best_first(p, 10)
     assert tree.tokens == (7, 0, 100)
+    assert best_first(p, 0)[0].tokens == (7,)  # no budget: the root alone

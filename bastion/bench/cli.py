@@ -85,6 +85,7 @@ def run(cfg: DictConfig) -> None:
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if world > 1 and cfg.device in ("auto", "cuda") and torch.cuda.is_available():
         cfg.device = f"cuda:{os.environ.get('LOCAL_RANK', 0)}"  # torchrun: one GPU per process
+        torch.cuda.set_device(cfg.device)  # and its streams, events and context there, not on GPU 0
     cfg.device = resolve_device(cfg.device)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)

@@ -180,12 +180,12 @@ def probe_times(target, sizes, context: int, repeats: int) -> list[list[float]]:
     for n in tqdm(sizes, desc="latency probe", unit="size", leave=False):
         runs = []
         for _ in range(repeats + 1):
-            cache = target.new_cache(1, context + n)
+            cache = target.new_cache(1, context + target.padded(n))  # a compiled target runs a bucket of n
             cache.lengths = [context]
             mask = torch.ones(1, n, n, dtype=torch.bool, device=device).tril()
             t0 = now(device)
             hidden, _ = target.forward(tokens[:, context : context + n], torch.arange(n, device=device)[None], mask, cache)
-            target.logits(hidden)
+            target.argmax(hidden)  # what a greedy verification reads of it
             runs.append(now(device) - t0)
         times.append(runs[1:])
     return times
@@ -210,11 +210,13 @@ def probe_problem(sizes, times: list[list[float]], spread: float = 2.0, drop: fl
 
 def calibrated(target, hw: HardwareProfile, cache_dir: Path, use_cache: bool = True) -> LatencyModel:
     """The probe-fitted model, cached per machine (GPU or CPU model, and the CPU threads torch
-    uses), hardware profile (its prior shapes the fit), model, dtype, linear kernels and
-    attention backend: a fit made elsewhere is never reused."""
+    uses), hardware profile (its prior shapes the fit), model, dtype, linear kernels, attention
+    backend, whether the forward is compiled, and what a probe times after the forward (the
+    argmax a greedy verification takes): a fit made elsewhere is never reused."""
     model = LatencyModel.from_profile(target.args, target.dtype, hw)
     machine = device_name(str(target.device)) + ("" if target.device.type == "cuda" else f"-{torch.get_num_threads()}threads")
-    parts = (machine, hw.name, target.name, str(target.dtype).removeprefix("torch."), linear_kernels(target.model), target.attention)
+    kernels = (linear_kernels(target.model), target.attention, "compiled" if target.compiled else "eager", "argmax")
+    parts = (machine, hw.name, target.name, str(target.dtype).removeprefix("torch."), *kernels)
     path = Path(cache_dir) / "latency" / f"{re.sub(r'[^A-Za-z0-9._-]+', '_', '__'.join(parts))}.json"
     if not (use_cache and read_calibration(path, model)):
         started = time.perf_counter()

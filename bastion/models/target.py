@@ -100,21 +100,23 @@ class Target:
     @torch.inference_mode()
     def argmax(self, hidden: torch.Tensor, chunk_elements: int = ARGMAX_CHUNK) -> torch.Tensor:
         """hidden [B, M, h] -> the likeliest next token after each [B, M]: logits(hidden).argmax(-1)
-        exactly (upcasting is exact), without a float32 copy of the logits and a few tokens'
-        logits at a time (B=16, M=257, V=152k: 2.5 GB in float32 at once)."""
+        without a float32 copy of the logits (upcasting cannot change an argmax) and a few
+        tokens' logits at a time (B=16, M=257, V=152k: 2.5 GB in float32 at once). A GPU's
+        matmul may round a chunk's near-ties unlike a whole forward's, as it rounds an AR step's
+        unlike a tree's (lossless_ties)."""
         B, M, _ = hidden.shape
         step = max(1, chunk_elements // (B * self.args.vocab_size))
         return torch.cat([self.model.lm_head(part).argmax(-1) for part in hidden.split(step, dim=1)], dim=1)
 
 
 def compile_forward(target: Target) -> Target:
-    """decode.compile=true: the target's forward captured by torch.compile, as CUDA graphs on a
-    GPU (where a step's hundreds of kernel launches cost more host time than an 8B model's B=1
-    forward takes) and inductor's kernels on a CPU. Target.forward buckets shapes, so a decode
-    compiles a few graphs once each: one per batch size, token bucket and key bucket."""
+    """decode.compile=true: the target's forward captured by torch.compile (inductor's fused
+    kernels). Target.forward buckets shapes, so a decode compiles a few graphs once each: one
+    per batch size, token bucket and key bucket. Not CUDA graphs yet: the forward writes the KV
+    cache in place, and torch replays graphs only over inputs at fixed addresses, which the
+    cache's buffers are not once finished rows leave (KVCache.keep_rows)."""
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
-    mode = "reduce-overhead" if target.device.type == "cuda" else None
-    return replace(target, compiled=torch.compile(target.model, dynamic=False, mode=mode))
+    return replace(target, compiled=torch.compile(target.model, dynamic=False))
 
 
 def load_target(

@@ -22,18 +22,18 @@ class Clock:
     waits for an idle GPU."""
 
     def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
+        self.stream = torch.cuda.current_stream(device) if device.type == "cuda" else None  # the device's own, not GPU 0's
 
     def mark(self):
-        if not self.cuda:
+        if self.stream is None:
             return time.perf_counter()
         event = torch.cuda.Event(enable_timing=True)
-        event.record()
+        event.record(self.stream)
         return event
 
     def seconds(self, start, end) -> float:
         """Time from mark `start` to mark `end` (waiting for `end` to complete)."""
-        if not self.cuda:
+        if self.stream is None:
             return end - start
         end.synchronize()
         return start.elapsed_time(end) / 1e3

@@ -24,6 +24,8 @@ from bastion.tree.proposal import BlockProposal
 
 def best_first(proposal: BlockProposal, max_nodes: int) -> list[DraftTree]:
     B, K, k = proposal.tokens.shape
+    if max_nodes < 1 or K == 0:
+        return [DraftTree.root_only(root) for root in proposal.roots]
     device = proposal.tokens.device
     logprobs = proposal.logprobs.to(torch.promote_types(proposal.logprobs.dtype, torch.float32))
     # candidates, the root first, then each depth's beam: path score, parent candidate, token
