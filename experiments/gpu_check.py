@@ -45,7 +45,7 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
-from bastion.bench.divergence import first_difference, is_tie, tie_gap
+from bastion.bench.divergence import first_difference, gap_after, is_tie
 from bastion.budget.controller import BastionBudget
 from bastion.budget.fixed import FixedBudget
 from bastion.budget.hardware import device_name
@@ -326,11 +326,7 @@ def divergence(target: Target, prompt: list[int], ar: list[int], ours: list[int]
     (its `divergence` builds chat prompts from text): AR's logit gap between the two tokens
     under AR's context, and the gap a tie allows. Outputs here have no EOS, so equal lengths."""
     at = first_difference(ours, ar)
-    if at is None:
-        return None
-    logits = target.score(prompt + ar[:at])[-1].float()
-    return {"position": at, "ar_token": ar[at], "token": ours[at], "gap": float(logits[ar[at]] - logits[ours[at]]),
-            "tie_gap": tie_gap(target.dtype, float(logits.max()))}
+    return None if at is None else {"position": at, **gap_after(target, prompt + ar[:at], ar[at], ours[at])}
 
 
 def section_lossless(run: Run) -> dict:

@@ -47,12 +47,17 @@ def divergence(target, prompt: Prompt, ar: dict, record: dict) -> dict | None:
         conversation += [{"role": "user", "content": prompt.turns[t]}, {"role": "assistant", "content": ar["text"][t]}]
     conversation.append({"role": "user", "content": prompt.turns[turn]})
     context = chat_tokens(target, conversation) + ar["tokens"][start:at]
-    logits = target.score(context)[-1].float()
     theirs = ar["tokens"][at] if at < len(ar["tokens"]) else None
     ours = record["tokens"][at] if at < len(record["tokens"]) else None
+    return {"turn": turn, "position": at - start, **gap_after(target, context, theirs, ours)}
+
+
+def gap_after(target, context: list[int], theirs: int | None, ours: int | None) -> dict:
+    """AR's token and ours (None: that output ended) after the tokens `context`, the target's
+    logit gap between them there, and the gap a tie allows."""
+    logits = target.score(context)[-1].float()
     gap = float(logits[theirs] - logits[ours]) if None not in (theirs, ours) else float("inf")
-    return {"turn": turn, "position": at - start, "ar_token": theirs, "token": ours, "gap": gap,
-            "tie_gap": tie_gap(target.dtype, float(logits.max()))}
+    return {"ar_token": theirs, "token": ours, "gap": gap, "tie_gap": tie_gap(target.dtype, float(logits.max()))}
 
 
 def is_tie(found: dict | None) -> bool:
