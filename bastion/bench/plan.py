@@ -9,12 +9,11 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from bastion.compose import MethodPlan
-from bastion.drafters.checkpoint import PROJECT_ROOT
+from bastion.compose import MethodPlan, local_dir
 from bastion.files import read_json
 from bastion.models.attention import choose_kernel
 from bastion.models.memory import GB, HEADROOM, MemoryPlan, check_fits, checkpoint_parameters, model_args, plan_memory
-from bastion.models.target import DTYPES
+from bastion.models.target import dtype_named
 
 logger = logging.getLogger(__name__)
 
@@ -62,8 +61,7 @@ def memory_plan(cfg: DictConfig, max_nodes: int, drafter_params: int, cuda: bool
     """The run's memory plan (models/memory.py) from its config alone; None when the target's
     shape is not known before its weights download."""
     target = cfg.target
-    if target.dtype not in DTYPES:
-        raise ValueError(f"Unknown dtype '{target.dtype}'; choose one of {', '.join(DTYPES)}.")
+    dtype = dtype_named(target.dtype)
     local = Path(target.source).expanduser() / "config.json"
     if target.source == "random":
         shape = OmegaConf.to_container(target.hf_config, resolve=True)
@@ -75,7 +73,7 @@ def memory_plan(cfg: DictConfig, max_nodes: int, drafter_params: int, cuda: bool
         return None
     kernel = choose_kernel(cfg.get("attention", "auto"), "cuda" if cuda else "cpu")
     d = cfg.decode
-    return plan_memory(model_args(shape), DTYPES[target.dtype], d.batch_size, cfg.plan_context, d.max_new_tokens, max_nodes,
+    return plan_memory(model_args(shape), dtype, d.batch_size, cfg.plan_context, d.max_new_tokens, max_nodes,
                        kernel, drafter_params, cuda=cuda, sampled=d.temperature > 0)
 
 
@@ -84,9 +82,8 @@ def drafter_parameters(drafting: list[MethodPlan]) -> tuple[int, list[str]]:
     and the checkpoints that are not yet (Hub ids, counted once downloaded)."""
     total, absent = 0, []
     for checkpoint in dict.fromkeys(p.node.drafter.checkpoint for p in drafting if p.node.drafter.get("checkpoint")):
-        path = next((base / Path(checkpoint).expanduser() for base in (Path.cwd(), PROJECT_ROOT)
-                     if (base / Path(checkpoint).expanduser() / "config.json").is_file()), None)
-        if path is None:
+        path = local_dir(checkpoint)
+        if path is None or not (path / "config.json").is_file():
             absent.append(checkpoint)
         else:
             total += checkpoint_parameters(path)

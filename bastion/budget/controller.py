@@ -129,7 +129,7 @@ def merge_best_first(trees: list[DraftTree]) -> tuple[np.ndarray, np.ndarray]:
     the rows laid end to end)."""
     values = [np.exp(np.asarray(t.logq[1:], dtype=float)) for t in trees]
     rows = np.repeat(np.arange(len(trees)), [len(v) for v in values])
-    order = np.argsort(-np.concatenate([np.minimum.accumulate(v) if len(v) else v for v in values]), kind="stable")
+    order = np.argsort(-np.concatenate([np.minimum.accumulate(v) for v in values]), kind="stable")
     picks = np.zeros((len(order) + 1, len(trees)), dtype=np.int64)
     picks[np.arange(1, len(order) + 1), rows[order]] = 1
     return picks.cumsum(0), np.concatenate([[0.0], np.cumsum(np.concatenate(values)[order])])

@@ -41,7 +41,7 @@ class Layout:
     prefix: torch.Tensor  # [B] long: verified tokens per row, in slots 0 .. prefix[b] - 1
     tree: torch.Tensor | None  # [B, N, N] bool: new token i sees new token j; None: causal
     n_new: int  # N
-    n_keys: int  # S: key slots attended over, the longest prefix + N
+    n_keys: int  # S: key slots attended over: the longest prefix + N, or more (a compiled forward's bucket)
     kernel: str = "sdpa"
 
     @property

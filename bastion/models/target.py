@@ -64,18 +64,16 @@ class Target:
         A compiled target runs bucketed shapes (see compile_forward): N padded to a power of two
         with tokens that see only themselves, the attended keys to a multiple of KEY_BUCKET.
         """
-        n = tokens.shape[1]
-        if self.compiled is None:
-            write_pos, layout = cache.prepare(n, tree_mask)
-            return self.model(tokens, layout.prefix[:, None] + depths, layout, cache, write_pos, capture)
-        width = self.padded(n)
-        tokens, depths = (F.pad(x, (0, width - n)) for x in (tokens, depths))
-        if tree_mask is not None:
-            padded = torch.eye(width, dtype=torch.bool, device=tokens.device).repeat(len(tokens), 1, 1)
-            padded[:, :n, :n] = tree_mask
-            tree_mask = padded
-        write_pos, layout = cache.prepare(width, tree_mask, key_bucket=KEY_BUCKET)
-        hidden, features = self.compiled(tokens, layout.prefix[:, None] + depths, layout, cache, write_pos, capture)
+        n, width = tokens.shape[1], self.padded(tokens.shape[1])
+        if width > n:
+            tokens, depths = (F.pad(x, (0, width - n)) for x in (tokens, depths))
+            if tree_mask is not None:
+                padded = torch.eye(width, dtype=torch.bool, device=tokens.device).repeat(len(tokens), 1, 1)
+                padded[:, :n, :n] = tree_mask
+                tree_mask = padded
+        write_pos, layout = cache.prepare(width, tree_mask, key_bucket=1 if self.compiled is None else KEY_BUCKET)
+        forward = self.model if self.compiled is None else self.compiled
+        hidden, features = forward(tokens, layout.prefix[:, None] + depths, layout, cache, write_pos, capture)
         return hidden[:, :n], None if features is None else features[:, :n]
 
     def padded(self, n: int) -> int:
@@ -109,6 +107,12 @@ class Target:
         return torch.cat([self.model.lm_head(part).argmax(-1) for part in hidden.split(step, dim=1)], dim=1)
 
 
+def dtype_named(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ValueError(f"Unknown dtype '{name}'; choose one of {', '.join(DTYPES)}.")
+    return DTYPES[name]
+
+
 def compile_forward(target: Target) -> Target:
     """decode.compile=true: the target's forward captured by torch.compile (inductor's fused
     kernels). Target.forward buckets shapes, so a decode compiles a few graphs once each: one
@@ -137,10 +141,8 @@ def load_target(
     `attention` names the attention kernel (auto: the device's; models/attention.py)."""
     from transformers import AutoConfig, AutoTokenizer
 
-    if dtype not in DTYPES:
-        raise ValueError(f"Unknown dtype '{dtype}'; choose one of {', '.join(DTYPES)}.")
+    torch_dtype = dtype_named(dtype)
     choose_kernel(attention, device)  # an unknown kernel is refused before any weights load
-    torch_dtype = DTYPES[dtype]
     if source == "random":
         if hf_config is None:
             raise ValueError(f"Target '{name}' has source=random but no hf_config.")
