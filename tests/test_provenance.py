@@ -60,7 +60,8 @@ def test_commit_is_marked_dirty_by_changed_or_new_files_and_absent_outside_a_che
     assert git_commit(tmp_path) == f"{head}-dirty"
 
 
-def test_machine_json_round_trip_and_runs_without_one(tmp_path):
+def test_machine_json_round_trip_and_runs_without_one(tmp_path, monkeypatch):
+    monkeypatch.setattr("os.getloadavg", lambda: (1.5, 1.0, 1.0))  # the load moves between two reads of it
     cfg = composed("device=cpu", "target=tiny_qwen3")
     write_machine(cfg, tmp_path)
     assert read_machine(tmp_path) == run_metadata(cfg)
