@@ -54,7 +54,7 @@ def probe_times(target, context: int) -> list[float]:
 
     scratch = LatencyModel.from_profile(target.args, target.dtype, HardwareProfile("scratch", {"float32": 1.0}, 1.0))
     probe(target, scratch, sizes=SIZES, context=context)
-    return [seconds for _, _, seconds in scratch.points]
+    return [scratch.probed[n][2] for n in SIZES]
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import torch
 import bastion.budget.latency
 from bastion.budget.controller import BastionBudget, merge_best_first
 from bastion.budget.hardware import HardwareProfile, profile_from_config
-from bastion.budget.latency import ForwardCost, LatencyModel, calibrated, probe, probe_problem
+from bastion.budget.latency import SIZE_POINTS, ForwardCost, LatencyModel, calibrated, probe, probe_problem
 from bastion.budget.stretch import ARStretch
 from bastion.models.transformer import ModelArgs
 from bastion.tree.draft_tree import DraftTree
@@ -139,6 +139,25 @@ def test_measured_sizes_correct_the_curve_and_the_controller_takes_a_steps_last_
     budget.recent.drafted.append((0.0, 0.0, 2.0, 0.02))
     chosen = budget.size([chain(15, 0.9)], [300])[0].n_nodes + 1  # tokens forwarded: the root too
     assert chosen % 4 == 0  # the last size of its step
+
+
+@pytest.mark.parametrize("drift", [1.4, 0.7])
+def test_a_probe_taken_at_another_pace_keeps_its_shape_not_its_level(drift):
+    """The probe ran when the machine was `drift` times slower (or faster) than today; today's
+    run measures only the sizes it picks. Every size is then forecast at today's pace, steps
+    included: a size only the probe measured is not priced at the probe's pace."""
+    model = controller(TRUE_CPU).latency
+    for n in range(1, 17):
+        flops, moved = model.cost.flops_bytes(np.array([n]), np.array([300]))
+        model.probed[n] = (float(flops), float(moved), drift * stepped(n))
+    model.fit(fit_shape=True, prior_weight=1e-3)
+    for _ in range(SIZE_POINTS):
+        for n in (6, 7):
+            model.observe_forward([n], [300], stepped(n))
+    model.fit(fit_shape=True)
+    assert model.level == pytest.approx(math.log(drift), abs=0.02)
+    sizes = np.arange(1, 17)[:, None]
+    np.testing.assert_allclose(model.predict(sizes, np.full_like(sizes, 300)), [stepped(n) for n in range(1, 17)], rtol=0.02)
 
 
 def measured(verify_s, accepted=0.0, a_hat=0.0, draft_s=0.0, nodes=1):
@@ -278,7 +297,7 @@ def test_a_busy_probe_is_measured_again_then_refused(tiny_qwen3, monkeypatch):
     calls = fake_probes(monkeypatch, BUSY_PROBE, IDLE_PROBE)
     with pytest.warns(UserWarning, match="measuring again"):
         probe(tiny_qwen3, model, sizes=(1, 2, 4, 8))
-    assert len(calls) == 2 and len(model.points) == 4
+    assert len(calls) == 2 and len(model.probed) == 4
     fake_probes(monkeypatch, BUSY_PROBE)
     with pytest.warns(UserWarning), pytest.raises(ValueError, match="the machine looks busy. Rerun when it is idle"):
         probe(tiny_qwen3, model, sizes=(1, 2, 4, 8))
@@ -290,12 +309,13 @@ def test_a_cached_fit_serves_only_its_machine_and_profile(tiny_qwen3, monkeypatc
     fresh = calibrated(tiny_qwen3, cpu, tmp_path)
     cached = calibrated(tiny_qwen3, cpu, tmp_path)
     assert len(calls) == 1  # cached, with the measured sizes' corrections
-    assert cached.by_size == fresh.by_size and len(cached.by_size) == 4
+    assert cached.probed == fresh.probed and len(cached.probed) == 4
     np.testing.assert_allclose(cached.correction, fresh.correction)
     (path,) = (tmp_path / "latency").glob("*.json")
-    path.write_text(json.dumps({k: v for k, v in json.loads(path.read_text()).items() if k != "by_size"}))
+    saved = json.loads(path.read_text())
+    path.write_text(json.dumps({"theta": saved["theta"], "points": list(saved["probed"].values())}))
     calibrated(tiny_qwen3, cpu, tmp_path)
-    assert len(calls) == 2  # a calibration from before per-size corrections is measured again
+    assert len(calls) == 2  # a calibration from before the probe kept its own level is measured again
     calls.pop()
     calibrated(tiny_qwen3, HardwareProfile("measured-cpu", {"float64": 0.1}, 20.0), tmp_path)
     assert len(calls) == 2  # another profile: another prior, another fit

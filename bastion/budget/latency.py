@@ -16,6 +16,14 @@ or 8 tokens can cost the same and 9 a step more (CPU and GPU alike). A controlle
 smooth curve picks sizes on the low side of such a step, paying for tokens it does not verify.
 So each forward size the model has seen measured (the probe covers every size up to 16)
 keeps a correction: the median log ratio of its measured times to the curve's.
+
+A cached probe was taken on another day, and a machine's pace drifts between runs (another
+process, clocks, the host's load): the probe's times then all sit above or below today's by
+one factor. Refitting the curve to the probe's and today's times alike bends it between the
+two, and a size measured only by the probe keeps a correction against today's curve that is
+really the drift, so the controller sees a smaller tree cost more than a bigger one. So the
+probe's points carry their own level, a free log-offset in every fit (its shape is
+today's, its pace is not), and their corrections are taken against the curve at that level.
 """
 
 from __future__ import annotations
@@ -75,9 +83,11 @@ class LatencyModel:
     bandwidth: float
     theta: np.ndarray = field(default=None)  # log t0, log a, log b, log(p - 1 + 1e-3)
     prior: np.ndarray = field(default=None)  # what fits are pulled towards: the profile's, or the probe's fit
-    points: list[tuple[float, float, float]] = field(default_factory=list)  # (flops, bytes, seconds)
+    points: list[tuple[float, float, float]] = field(default_factory=list)  # (flops, bytes, seconds) measured in this run
     max_points: int = 256
     by_size: dict[int, list[tuple[float, float, float]]] = field(default_factory=dict)  # tokens forwarded -> its last points
+    probed: dict[int, tuple[float, float, float]] = field(default_factory=dict)  # tokens forwarded -> the probe's point
+    level: float = 0.0  # log(the probe's times / this run's) for the same forward: the pace's drift since the probe
     correction: np.ndarray = field(default_factory=lambda: np.zeros(0))  # [sizes] log(measured / curve), 0 where unseen
 
     def __post_init__(self):
@@ -109,37 +119,46 @@ class LatencyModel:
         return t0 + m * ((x / m) ** p + (y / m) ** p) ** (1 / p)
 
     def fit(self, fit_shape: bool, prior_weight: float = 0.01) -> None:
-        """Least squares on log time over the recorded points (weight 1 each), pulled towards
-        the prior with `prior_weight` per parameter. `fit_shape` also fits p; otherwise p
-        stays the prior's, since a few sizes cannot pin the curve's shape down."""
-        if not self.points:
+        """Least squares on log time over the probe's and this run's points (weight 1 each),
+        pulled towards the prior with `prior_weight` per parameter. `fit_shape` also fits p;
+        otherwise p stays the prior's, since a few sizes cannot pin the curve's shape down.
+        The probe's level is free once this run has measured anything (see the module doc)."""
+        probed = list(self.probed.values())
+        if not (self.points or probed):
             return
-        flops, moved, seconds = map(np.asarray, zip(*self.points))
+        flops, moved, seconds = map(np.asarray, zip(*probed, *self.points))
+        is_probe = np.arange(len(seconds)) < len(probed)
         free = [0, 1, 2, 3] if fit_shape else [0, 1, 2]
-        base = self.prior.copy()
+        base = np.append(self.prior, 0.0)  # theta's prior, and the level's: no drift
+        if self.points and probed:
+            free.append(4)
 
         def residuals(z):
             theta = base.copy()
             theta[free] = z
-            fit = np.log(self._predict(theta, flops, moved)) - np.log(seconds)
+            fit = np.log(self._predict(theta[:4], flops, moved)) + theta[4] * is_probe - np.log(seconds)
             return np.concatenate([fit, math.sqrt(prior_weight) * (z - base[free])])
 
-        fitted = least_squares(residuals, self.theta[free], method="trf").x
-        self.theta = base.copy()
-        self.theta[free] = fitted
+        fitted = least_squares(residuals, np.append(self.theta, self.level)[free], method="trf").x
+        theta = base.copy()
+        theta[free] = fitted
+        self.theta, self.level = theta[:4], float(theta[4])
         self.correct()
 
     def correct(self) -> None:
-        """Each measured size's correction against the current curve."""
-        correction = np.zeros(max(self.by_size, default=-1) + 1)
-        for size, points in self.by_size.items():
-            flops, moved, seconds = map(np.asarray, zip(*points))
-            correction[size] = np.median(np.log(seconds) - np.log(self._predict(self.theta, flops, moved)))
+        """Each measured size's correction against the current curve: the median over its last
+        SIZE_POINTS times, the probe's (at the probe's level) first."""
+        correction = np.zeros(max([*self.by_size, *self.probed], default=-1) + 1)
+        for size in {*self.by_size, *self.probed}:
+            probed = [(*self.probed[size], self.level)] if size in self.probed else []
+            kept = probed + [(*point, 0.0) for point in self.by_size.get(size, [])]
+            flops, moved, seconds, level = map(np.asarray, zip(*kept[-SIZE_POINTS:]))
+            correction[size] = np.median(np.log(seconds) - level - np.log(self._predict(self.theta, flops, moved)))
         self.correction = correction
 
     def distinct_sizes(self) -> int:
         """Distinct forward costs among the points: enough of them make the curve's shape (p) identifiable."""
-        return len({round(math.log(f), 1) for f, _, _ in self.points})
+        return len({round(math.log(f), 1) for f, _, _ in [*self.probed.values(), *self.points]})
 
     def observe(self, flops: float, moved: float, seconds: float) -> None:
         self.points.append((flops, moved, seconds))
@@ -167,7 +186,9 @@ def probe(target, model: LatencyModel, sizes=PROBE_SIZES, context: int = 256, re
                              "Rerun when it is idle (or use budget=fixed, which needs no probe).")
         warnings.warn(f"latency probe: {problem}; measuring again", stacklevel=2)
     for n, ts in zip(sizes, times):
-        model.observe_forward([n], [context], float(np.median(ts)))
+        flops, moved = model.cost.flops_bytes(np.array([n]), np.array([context]))
+        model.probed[n] = (float(flops), float(moved), float(np.median(ts)))
+    model.level = 0.0
     model.fit(fit_shape=True, prior_weight=1e-3)
 
 
@@ -221,7 +242,7 @@ def calibrated(target, hw: HardwareProfile, cache_dir: Path, use_cache: bool = T
     if not (use_cache and read_calibration(path, model)):
         started = time.perf_counter()
         probe(target, model)
-        atomic_write_text(path, json.dumps({"theta": model.theta.tolist(), "points": model.points, "by_size": model.by_size,
+        atomic_write_text(path, json.dumps({"theta": model.theta.tolist(), "probed": model.probed,
                                             "probe_s": time.perf_counter() - started}))
     model.prior = model.theta.copy()  # online refits stay near the probe's fit unless measurements say otherwise
     return model
@@ -235,16 +256,15 @@ def read_calibration(path: Path, model: LatencyModel) -> bool:
         return False
     try:
         saved = json.loads(path.read_text())
-        if isinstance(saved, dict) and "by_size" not in saved and {"theta", "points"} <= saved.keys():
-            return False  # an older calibration, without per-size corrections: probe again
+        if isinstance(saved, dict) and "probed" not in saved and "theta" in saved:
+            return False  # an older calibration, whose probe points fitted as today's: probe again
         theta = np.asarray(saved["theta"], dtype=float)  # [4]
-        points = [tuple(map(float, p)) for p in saved["points"]]  # (flops, bytes, seconds) each
-        by_size = {int(n): [tuple(map(float, p)) for p in ps] for n, ps in saved["by_size"].items()}
-        if theta.shape != (4,) or any(len(p) != 3 for p in [*points, *(p for ps in by_size.values() for p in ps)]):
+        probed = {int(n): tuple(map(float, p)) for n, p in saved["probed"].items()}  # size -> (flops, bytes, seconds)
+        if theta.shape != (4,) or any(len(p) != 3 for p in probed.values()):
             raise ValueError("theta or points of the wrong size")
     except (ValueError, KeyError, TypeError, AttributeError) as error:
         warnings.warn(f"{path} is not a latency calibration ({error!r}); re-measuring and overwriting it.", stacklevel=3)
         return False
-    model.theta, model.points, model.by_size = theta, points, by_size
+    model.theta, model.probed = theta, probed
     model.correct()
     return True
