@@ -212,7 +212,7 @@ def _step(m: _Method, batch: _Batch) -> Step:
         trees, draft_probs = [DraftTree.root_only(seq[-1]) for seq in ctx.sequences], None
     else:
         trees, draft_probs = _draft_trees(m, proposal, contexts)
-    tokens, depths, tree_mask = pack(trees, device)
+    tokens, depths, tree_mask, parents = pack(trees, device)
     t2 = clock.mark()
     if proposal is None:
         hidden, features = m.target.forward(tokens, depths, tree_mask, cache, m.capture)
@@ -222,7 +222,7 @@ def _step(m: _Method, batch: _Batch) -> Step:
         hidden, features, width = m.drafter.verify_forward(m.target, cache, trees, tokens, depths, tree_mask, m.capture, parallel)
     scores = _scores(m, batch, hidden, depths)
     t3 = clock.mark()
-    verdicts = _verify(m, scores, trees, tokens, depths, tree_mask, draft_probs)  # waits for the device once
+    verdicts = _verify(m, scores, trees, tokens, depths, parents, draft_probs)  # waits for the device once
     paths = [v.path for v in verdicts]
     cache.commit(paths)
     if proposal is not None:
@@ -269,11 +269,11 @@ def _scores(m: _Method, batch: _Batch, hidden: torch.Tensor, depths: torch.Tenso
 
 
 def _verify(m: _Method, scores: torch.Tensor, trees: list[DraftTree], tokens: torch.Tensor, depths: torch.Tensor,
-            tree_mask: torch.Tensor, draft_probs):
+            parents: torch.Tensor, draft_probs):
     """Each row's accepted path and new tokens: the deepest node the target's choices agree
     with, or by rejection sampling of sampled children."""
     if m.sampling.keyed:  # greedy included
-        return verify_greedy(scores, trees, tokens, depths, tree_mask)
+        return verify_greedy(scores, trees, tokens, depths, parents)
     return verify_sampled(scores, trees, m.sampling, m.generator, draft_probs)
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from bastion.sampling import Sampling
@@ -20,24 +19,27 @@ class Verdict:
 
 
 def verify_greedy(choice: torch.Tensor, trees: list[DraftTree], tokens: torch.Tensor, depths: torch.Tensor,
-                  mask: torch.Tensor) -> list[Verdict]:
+                  parents: torch.Tensor) -> list[Verdict]:
     """Accept the deepest node whose every ancestor's token is the target's choice after its
     parent (the argmax of logits, or of keyed scores at T > 0); the choice after it is the
-    bonus token. choice, tokens, depths: [B, M]; mask: the trees' ancestor masks [B, M, M]
-    (pack's; padding slots are depth-0 roots of their own).
+    bonus token. choice, tokens, depths, parents: [B, M] (pack's; padding slots are roots).
 
-    Decided on the device for every node at once, then one transfer of each row's accepted
-    path and bonus token: a step waits for the device once, whatever the trees' size."""
-    parent = (mask & (depths[:, None, :] == depths[:, :, None] - 1)).byte().argmax(-1)  # [B, M]; roots: 0
-    matched = (tokens == choice.gather(1, parent)) | (depths == 0)
-    accepted = ~(mask & ~matched[:, None, :]).any(-1)  # [B, M]: the whole path to the node matched
+    Decided on the device for every node at once (whether a node's whole path matched, by
+    pointer doubling up the parents: log2 M rounds of [B, M] ops), then one transfer of each
+    row's deepest accepted node and bonus token: a step waits for the device once, whatever
+    the trees' size."""
+    B, M = parents.shape
+    up = torch.where(parents < 0, torch.arange(M, device=parents.device).expand(B, M), parents)  # a root points to itself
+    accepted = (tokens == choice.gather(1, up)) | (parents < 0)  # [B, M]: so far, the node itself matched
+    for _ in range(max(M - 1, 1).bit_length()):
+        accepted = accepted & accepted.gather(1, up)
+        up = up.gather(1, up)
     deepest = (depths * accepted).argmax(-1)  # [B]; the first such node, should siblings repeat a token
-    rows = torch.arange(len(trees), device=mask.device)
-    out = torch.cat([mask[rows, deepest], choice[rows, deepest, None]], dim=1).cpu().numpy()  # [B, M + 1]
+    out = torch.stack([deepest, choice.gather(1, deepest[:, None])[:, 0]], 1).tolist()  # [B, 2]
     verdicts = []
-    for tree, row in zip(trees, out):
-        path = np.flatnonzero(row[:-1]).tolist()
-        verdicts.append(Verdict(path, [tree.tokens[i] for i in path[1:]] + [int(row[-1])]))
+    for tree, (node, bonus) in zip(trees, out):
+        path = tree.path(node)
+        verdicts.append(Verdict(path, [tree.tokens[i] for i in path[1:]] + [bonus]))
     return verdicts
 
 

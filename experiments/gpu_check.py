@@ -271,7 +271,7 @@ def section_attention(run: Run) -> dict:
     S = int(prefix.max()) + N
     q = torch.randn(B, H, N, D, generator=g, device=s.device).to(s.dtype)
     k, v = (torch.randn(B, Hkv, S, D, generator=g, device=s.device).to(s.dtype) for _ in range(2))
-    _, _, tree = pack(random_trees(B, N, vocab=1, seed=0), s.device)  # [B, N, N]
+    _, _, tree, _ = pack(random_trees(B, N, vocab=1, seed=0), s.device)  # [B, N, N]
     layout = Layout(prefix, tree, N, S, "sdpa")
     exact = attend(q.float(), k.float(), v.float(), layout)
     sdpa = attend(q, k, v, layout)
@@ -308,7 +308,7 @@ def section_verify_latency(run: Run) -> dict:
         cache = target.new_cache(B, s.grid_context + max(s.grid_nodes))
         cache.lengths = [s.grid_context] * B  # forwards write past the prefix and commit nothing
         for N in s.grid_nodes:
-            tokens, depths, mask = pack(random_trees(B, N, target.args.vocab_size, seed=N), target.device)
+            tokens, depths, mask, _ = pack(random_trees(B, N, target.args.vocab_size, seed=N), target.device)
             seconds = median_seconds(lambda: target.argmax(target.forward(tokens, depths, mask, cache)[0]),
                                      s.device, s.repeats)
             cell = {"B": B, "N": N, "measured_ms": 1e3 * seconds}

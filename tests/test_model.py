@@ -56,7 +56,7 @@ def test_tree_forward_equals_sequential(tiny_qwen3):
     n = len(prefix)
     tiny_qwen3.forward(torch.tensor([prefix]), torch.arange(n)[None], torch.ones(1, n, n, dtype=torch.bool).tril(), cache)
     cache.commit([list(range(n))])
-    tokens, depths, mask = pack([tree], "cpu")
+    tokens, depths, mask, _ = pack([tree], "cpu")
     hidden, _ = tiny_qwen3.forward(tokens, depths, mask, cache)
     logits = tiny_qwen3.logits(hidden)[0]
     for node in range(len(tree.tokens)):
@@ -73,11 +73,11 @@ def test_commit_keeps_exactly_the_accepted_path(tiny_llama, keep):
     n = len(prefix)
     tiny_llama.forward(torch.tensor([prefix]), torch.arange(n)[None], torch.ones(1, n, n, dtype=torch.bool).tril(), cache)
     cache.commit([list(range(n))])
-    tiny_llama.forward(*pack([tree], "cpu"), cache)
+    tiny_llama.forward(*pack([tree], "cpu")[:3], cache)
     cache.commit([keep])
     assert cache.lengths == [n + len(keep)]
     nxt = DraftTree.root_only(42)
-    hidden, _ = tiny_llama.forward(*pack([nxt], "cpu"), cache)
+    hidden, _ = tiny_llama.forward(*pack([nxt], "cpu")[:3], cache)
     accepted = [tree.tokens[i] for i in keep]
     torch.testing.assert_close(tiny_llama.logits(hidden)[0, 0], fresh_logits(tiny_llama, prefix + accepted + [42]), rtol=1e-9, atol=1e-9)
 
@@ -96,7 +96,7 @@ def test_ragged_batch_rows_equal_single_rows(tiny_qwen3, survivors):
     causal = torch.ones(3, width, width, dtype=torch.bool).tril()
     tiny_qwen3.forward(tokens, torch.arange(width).expand(3, width), causal, cache)
     cache.commit([list(range(len(p))) for p in prefixes])
-    hidden, _ = tiny_qwen3.forward(*pack(trees, "cpu"), cache)
+    hidden, _ = tiny_qwen3.forward(*pack(trees, "cpu")[:3], cache)
     logits = tiny_qwen3.logits(hidden)
     for b, (prefix, tree) in enumerate(zip(prefixes, trees)):
         for node in range(len(tree.tokens)):
@@ -104,7 +104,7 @@ def test_ragged_batch_rows_equal_single_rows(tiny_qwen3, survivors):
             torch.testing.assert_close(logits[b, node], expected, rtol=1e-9, atol=1e-9)
     cache.commit(keeps)
     cache.keep_rows(survivors)
-    hidden, _ = tiny_qwen3.forward(*pack([DraftTree.root_only(11), DraftTree.root_only(12)], "cpu"), cache)
+    hidden, _ = tiny_qwen3.forward(*pack([DraftTree.root_only(11), DraftTree.root_only(12)], "cpu")[:3], cache)
     logits = tiny_qwen3.logits(hidden)
     for row, (b, token) in enumerate(zip(survivors, [11, 12])):
         accepted = [trees[b].tokens[i] for i in keeps[b]]

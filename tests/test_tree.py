@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -42,12 +43,31 @@ def test_ancestor_mask_and_depths_match_hand_built_reference():
 
 def test_pack_pads_rows_that_see_only_themselves():
     small = DraftTree((20, 21), (-1, 0), (0.0, -1.0))
-    tokens, depths, mask = pack([TREE, small], "cpu")
+    tokens, depths, mask, parents = pack([TREE, small], "cpu")
     assert tokens.tolist() == [[10, 11, 12, 13, 14, 15, 16], [20, 21, 0, 0, 0, 0, 0]]
     assert depths.tolist() == [[0, 1, 1, 2, 2, 2, 3], [0, 1, 0, 0, 0, 0, 0]]
     assert torch.equal(mask[0], TREE.ancestor_mask())
     assert torch.equal(mask[1, :2, :2], torch.tensor([[True, False], [True, True]]))
     assert torch.equal(mask[1, 2:], torch.eye(7, dtype=torch.bool)[2:])
+    assert parents.tolist() == [[-1, 0, 0, 1, 1, 2, 3], [-1, 0, -1, -1, -1, -1, -1]]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_packed_masks_and_depths_of_big_trees_match_the_trees_own(seed):
+    """Trees across several 64-bit words (the sign bit included), of different sizes."""
+    rng = np.random.default_rng(seed)
+    trees = []
+    for n in (300, 130, 64):
+        parents = [-1, *(int(rng.integers(0, i)) for i in range(1, n))]
+        trees.append(DraftTree(tuple(range(n)), tuple(parents), (0.0,) * n))
+    tokens, depths, mask, parents = pack(trees, "cpu")
+    for b, tree in enumerate(trees):
+        n = len(tree.tokens)
+        expected = torch.zeros(n, n, dtype=torch.bool)
+        for i in range(n):
+            expected[i, tree.path(i)] = True
+        assert torch.equal(mask[b, :n, :n], expected) and depths[b, :n].tolist() == list(tree.depths)
+        assert not mask[b, n:, :n].any() and not mask[b, :n, n:].any() and depths[b, n:].eq(0).all()
 
 
 def test_tree_rejects_children_before_parents():

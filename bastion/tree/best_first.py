@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from functools import cache
 
+import numpy as np
 import torch
 
 from bastion.tree.draft_tree import DraftTree
@@ -46,11 +47,14 @@ def best_first(proposal: BlockProposal, max_nodes: int) -> list[DraftTree]:
     place = torch.full_like(tokens, -1).scatter_(1, order, torch.arange(order.shape[1], device=device).expand(B, -1))  # candidate -> node
     parent = parents.gather(1, order)
     node_parents = torch.where(parent < 0, parent, place.gather(1, parent.clamp_min(0)))
-    chosen = torch.stack([tokens.gather(1, order).double(), node_parents.double(), scores.gather(1, order).double()], 1)
+    logq = scores.gather(1, order)  # [B, 1 + N]
+    chosen = torch.stack([tokens.gather(1, order), node_parents, logq.double().view(torch.long)], 1)  # [B, 3, 1 + N]
+    chosen = chosen.cpu().numpy()  # one transfer
+    logq = chosen[:, 2].view(np.float64)
     trees = []
-    for row_tokens, row_parents, row_logq in chosen.cpu().tolist():  # [B, 3, 1 + N]: one transfer
-        n = sum(s > -float("inf") for s in row_logq)  # candidates of -inf log-probability are no candidates
-        trees.append(DraftTree(tuple(map(int, row_tokens[:n])), tuple(map(int, row_parents[:n])), tuple(row_logq[:n])))
+    for row, row_logq, n in zip(chosen[:, :2].tolist(), logq.tolist(), (logq > -np.inf).sum(1).tolist()):
+        # candidates of -inf log-probability are no candidates (they sort last)
+        trees.append(DraftTree(tuple(row[0][:n]), tuple(row[1][:n]), tuple(row_logq[:n])))
     return trees
 
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cache, cached_property
 
+import numpy as np
 import torch
 
 
@@ -29,7 +31,8 @@ class DraftTree:
     def __post_init__(self):
         if not (len(self.tokens) == len(self.parents) == len(self.logq)) or self.parents[0] != -1:
             raise ValueError("DraftTree needs equal-length tokens/parents/logq with the root at index 0")
-        if any(not 0 <= p < i for i, p in enumerate(self.parents) if i):
+        below = self.parents[1:]
+        if below and (min(below) < 0 or not all(map(operator.lt, below, range(1, len(self.parents))))):  # C loops: trees of hundreds of nodes are built every step
             raise ValueError("DraftTree parents must precede their children")
 
     @property
@@ -73,40 +76,52 @@ class DraftTree:
 
     def ancestor_mask(self) -> torch.Tensor:
         """[1+N, 1+N] bool: mask[i, j] is True iff j is i or an ancestor of i."""
-        return ancestor_masks(torch.tensor([self.parents]))[0]
+        return ancestor_masks(torch.tensor([self.parents]))[0][0]
 
 
-BITS = 63  # ancestor bits per int64 word (the sign bit left alone)
+BITS = 64  # ancestor bits per int64 word
 
 
-def ancestor_masks(parents: torch.Tensor) -> torch.Tensor:
-    """parents [B, M] (-1: a root, or a padding slot) -> [B, M, M] bool, True where j is i or
-    an ancestor of i. Pointer doubling: after round r every node holds its ancestors up to
-    2^r - 1 levels up, so ceil(log2 M) rounds of whole-tensor ops build any tree, with no
-    per-node work and no look at the values on the host. The rounds merge ancestor sets packed
-    63 to an int64 word, 63x less data than bool rows (6x faster at M=257 on a CPU)."""
+@cache
+def _bit_table(device) -> torch.Tensor:
+    """[256, 8] bool: the bits of each byte value, lowest first."""
+    return (torch.arange(256, device=device)[:, None] >> torch.arange(8, device=device) & 1).bool()
+
+
+def ancestor_masks(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """parents [B, M] (-1: a root, or a padding slot) -> the masks [B, M, M] bool, True where j
+    is i or an ancestor of i, and the depths [B, M]. Pointer doubling: after round r every node
+    holds its ancestors up to 2^r - 1 levels up (and how many levels up it now points), so
+    ceil(log2 M) rounds of whole-tensor ops build any tree, with no per-node work and no look
+    at the values on the host. The rounds merge ancestor sets packed 64 to an int64 word, 64x
+    less data than bool rows (6x faster at M=257 on a CPU), unpacked a byte at a time through
+    a table (little-endian bytes, as on every CPU and GPU torch runs on)."""
     B, M = parents.shape
     device = parents.device
     slots = torch.arange(M, device=device)
     jump = torch.where(parents < 0, slots.expand(B, M), parents)  # [B, M]: 2^r levels up (a root stays put)
+    levels = (parents >= 0).long()  # [B, M]: how many levels up `jump` is
     words = torch.zeros(M, -(-M // BITS), dtype=torch.long, device=device)
-    words[slots, slots // BITS] = 1 << (slots % BITS)  # each node is its own ancestor
+    words[slots, slots // BITS] = 1 << (slots % BITS)  # each node is its own ancestor (bit 63 is the sign bit: fine for |)
     words = words.repeat(B, 1, 1)  # [B, M, W]
     for _ in range(max(M - 1, 1).bit_length()):
         words |= words.gather(1, jump[:, :, None].expand_as(words))
+        levels = levels + levels.gather(1, jump)
         jump = jump.gather(1, jump)
-    return ((words[..., None] >> torch.arange(BITS, device=device)) & 1).flatten(2)[:, :, :M].bool()
+    masks = _bit_table(device).index_select(0, words.view(torch.uint8).flatten().long()).view(B, M, -1)[:, :, :M]  # bytes [B, M, 8W] -> [B, M, M]
+    return masks, levels
 
 
-def pack(trees: list[DraftTree], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def pack(trees: list[DraftTree], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Stack trees of different sizes for one target forward.
 
-    Returns tokens [B, M], depths [B, M] and the tree mask [B, M, M], M = largest 1+N. Padding
-    slots see only themselves (so no attention row is empty) and nothing sees them. One copy
-    to the device; the masks are built there.
+    Returns tokens [B, M], depths [B, M], the tree mask [B, M, M] and parents [B, M] (-1 at
+    the roots), M = largest 1+N. Padding slots are roots that see only themselves (so no
+    attention row is empty) and nothing sees them. One copy to the device; the masks and
+    depths are built there.
     """
     width = max(len(t.tokens) for t in trees)
-    rows = [[*t.tokens, *[0] * (width - len(t.tokens)), *t.parents, *[-1] * (width - len(t.tokens))] for t in trees]
-    tokens, parents = torch.tensor(rows).to(device, non_blocking=True).view(len(trees), 2, width).unbind(1)
-    mask = ancestor_masks(parents)
-    return tokens, mask.sum(-1) - 1, mask
+    rows = np.array([[*t.tokens, *[0] * (width - len(t.tokens)), *t.parents, *[-1] * (width - len(t.tokens))] for t in trees])
+    tokens, parents = torch.from_numpy(rows).to(device, non_blocking=True).view(len(trees), 2, width).unbind(1)
+    mask, depths = ancestor_masks(parents)
+    return tokens, depths, mask, parents
