@@ -151,7 +151,7 @@ def generate(
     seeded by `seed`. A `recorder` (recorder.py) keeps training data along the way.
     """
     check_prompts(target, prompts, max_new_tokens)
-    capture = _check_method(drafter, policy, budget, recorder)
+    capture = _check_method(drafter, policy, budget, recorder, sampling)
     device = target.device
     max_nodes = budget.max_nodes if drafter else 0
     longest = max(len(p) for p in prompts)
@@ -183,10 +183,12 @@ def generate(
     return decoding
 
 
-def _check_method(drafter: Drafter | None, policy, budget: Budget | None, recorder: Recorder) -> tuple[int, ...]:
+def _check_method(drafter: Drafter | None, policy, budget: Budget | None, recorder: Recorder, sampling: Sampling) -> tuple[int, ...]:
     """Refuse a method that cannot run; return the target layers its forwards capture."""
     if drafter is not None and (policy is None or budget is None):
         raise ValueError("A drafter needs a tree policy and a budget controller.")
+    if drafter is not None and drafter.proposes_trees and not sampling.keyed:
+        raise ValueError("A drafter that grows its own trees (EAGLE-3) drafts ranked children only: use decode.tree_mode=ranked.")
     capture = tuple(drafter.feature_layers) if drafter else recorder.layers
     if recorder.layers and recorder.layers != capture:
         raise ValueError("A recorder must record the drafter's feature layers (or be used without a drafter).")

@@ -8,6 +8,7 @@ import json
 import shutil
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ import torch
 
 from bastion.compose import fast_bfloat16
 from bastion.drafters.dflash import DFlashDrafter, new_dflash_config
+from bastion.drafters.eagle3 import load_eagle3
 from bastion.drafters.flexdraft import FlexDraftDrafter, load_flexdraft
 from bastion.models.loading import packaged_dir
 from bastion.models.target import load_target
@@ -28,7 +30,9 @@ from bastion.train.data import (
     user_turn_prefix,
 )
 from bastion.train.dflash import feature_std, soft_cross_entropy, train_dflash, with_feature_noise
+from bastion.train.cli import new_eagle3_drafter
 from bastion.train.examples import sample_anchors, split_examples, to_examples
+from bastion.train.eagle3 import train_eagle3
 from bastion.train.flexdraft import group_loss, train_flexdraft
 from bastion.train.loop import train_loop
 from tests.conftest import ROOT, target_config
@@ -151,7 +155,7 @@ def test_followups_continue_the_chat_conversations_the_target_answered(smollm2, 
 
 
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "autocast"])
-@pytest.mark.parametrize("kind", ["dflash", "flexdraft"])
+@pytest.mark.parametrize("kind", ["dflash", "eagle3", "flexdraft"])
 def test_training_learns_and_resumes(tiny, data, kind, autocast, tmp_path):
     examples, val_examples = split_examples(to_examples(data[1]), 0.34)
     assert len(examples) == 4 and len(val_examples) == 2
@@ -159,6 +163,9 @@ def test_training_learns_and_resumes(tiny, data, kind, autocast, tmp_path):
     if kind == "dflash":
         drafter, train = DFlashDrafter(new_dflash_config(tiny, 1, 4, [0, 1], 16), tiny), train_dflash
         kw = dict(seqs_per_step=2, anchors=8, lr=3e-3, feature_noise=0.1, soft_labels=0.5)
+    elif kind == "eagle3":
+        drafter, columns = new_eagle3_drafter(tiny, (0, 1), examples, 300)
+        train, kw = partial(train_eagle3, columns=columns), dict(seqs_per_step=2, lr=3e-3, ttt_steps=3)
     else:
         drafter, train = FlexDraftDrafter(tiny, tuned_layers=1, group_size=4, calibration_hidden=16, mask_token_id=16), train_flexdraft
         kw = dict(seqs_per_step=2, anchors=8, lr=3e-3, lr_tuned=1e-3)
@@ -272,7 +279,13 @@ def test_train_py_end_to_end(tmp_path):
     assert "holds self-distillation data made with other settings" in float32_data.stderr
     tiny = load_target(**target_config("tiny_qwen3"))
     assert load_flexdraft(tiny, str(tmp_path / "out")).group_size == 4
-    assert "train.py trains dflash and flexdraft drafters" in subprocess.run(
+    eagle3 = subprocess.run([sys.executable, "train.py", args[0], "drafter=eagle3", *args[2:8], "recipe.draft_vocab=500",
+                             "recipe.optim.steps=3", "recipe.optim.ttt_steps=2", f"recipe.output_dir={tmp_path / 'eagle3'}",
+                             *args[-3:]], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert eagle3.returncode == 0, eagle3.stderr[-3000:]  # on the data the FlexDraft run built
+    drafter = load_eagle3(tiny, str(tmp_path / "eagle3"))
+    assert len(drafter.d2t) == 500 and drafter.t2d.sum() == 500 and drafter.feature_layers == (1, 1, 1)  # the one layer recorded
+    assert "train.py trains dflash, eagle3, flexdraft drafters" in subprocess.run(
         [sys.executable, "train.py", "target=tiny_qwen3", "drafter=ngram", "recipe=dflash", f"cache_dir={tmp_path}",
          f"hydra.run.dir={tmp_path / 'run'}"],
         cwd=ROOT, capture_output=True, text=True, timeout=300).stderr

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from bastion.tree.draft_tree import DraftTree
-from bastion.tree.proposal import BlockProposal
+from bastion.tree.proposal import BlockProposal, TreeProposal
 
 
 @dataclass
@@ -26,6 +26,7 @@ class Drafter:
     `propose` and whatever state or forward it keeps."""
 
     feature_layers: tuple[int, ...] = ()  # target layers whose outputs the drafter conditions on
+    proposes_trees: bool = False  # a TreeProposal (ranked children per node), not per-position candidates
 
     def reset(self, batch_size: int, capacity: int) -> None:
         """Forget all rows: a new batch of prompts starts; no row will exceed `capacity` tokens."""
@@ -33,8 +34,8 @@ class Drafter:
     def keep_rows(self, rows: list[int]) -> None:
         """Finished rows leave the batch; keep `rows`, in that order."""
 
-    def propose(self, ctx: DraftContext) -> BlockProposal:
-        """Draft the next block for every row."""
+    def propose(self, ctx: DraftContext) -> BlockProposal | TreeProposal:
+        """Draft the next block (or candidate tree) for every row."""
         raise NotImplementedError
 
     def absorb(self, ctx: DraftContext) -> None:

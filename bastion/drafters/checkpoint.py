@@ -31,17 +31,17 @@ def resolve_checkpoint(checkpoint: str) -> Path:
         raise ModelNotFound(f"Drafter checkpoint directory {checkpoint} does not exist (a relative path is looked up "
                             f"under {' and '.join(map(str, bases))}); set drafter.checkpoint to a drafter checkpoint "
                             f"directory or a Hub id.")
-    return hub_dir(checkpoint, "drafter.checkpoint")
+    return hub_dir(checkpoint, "drafter.checkpoint", also=("pytorch_model.bin",))  # EAGLE's releases ship a .bin
 
 
 def read_checkpoint(checkpoint: str | None, kind: str, target_name: str) -> tuple[dict, dict[str, torch.Tensor]]:
     """(config, weights) of a `kind` drafter; no checkpoint at all says how to train one, and a
     file that does not parse is named."""
     if not checkpoint:
-        raise ValueError(
-            f"Target {target_name} names no {kind} drafter: train one with "
-            f"`python train.py drafter={kind} target={target_name}` or set drafter.checkpoint=DIR_OR_HUB_ID."
-        )
+        train = f"train one with `python train.py drafter={kind} target={target_name}` or "
+        raise ValueError(f"Target {target_name} names no {kind} drafter: "
+                         f"{train if (PROJECT_ROOT / 'conf' / 'recipe' / f'{kind}.yaml').exists() else ''}"
+                         f"set drafter.checkpoint=DIR_OR_HUB_ID.")
     path = resolve_checkpoint(checkpoint)
     config, state = read_json(path / "config.json", "fix it, or train or download the drafter again"), {}
     for file in sorted(path.glob("*.safetensors")):
@@ -49,6 +49,11 @@ def read_checkpoint(checkpoint: str | None, kind: str, target_name: str) -> tupl
             state.update(load_file(file))
         except SafetensorError as error:
             raise ValueError(f"{file} is not a readable safetensors file ({error}); train or download the drafter again.") from None
+    if not state and (path / "pytorch_model.bin").exists():  # how some released drafters (EAGLE's) ship
+        try:
+            state = torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
+        except Exception as error:  # torch raises several kinds for a file that is not a state dict
+            raise ValueError(f"{path / 'pytorch_model.bin'} is not a readable weights file ({error}); download the drafter again.") from None
     return config, state
 
 
@@ -68,3 +73,25 @@ def save_checkpoint(module: nn.Module, config: dict, out_dir: Path, dtype: torch
         save_file(state, tmp)
     config = {**config, "torch_dtype": str(dtype).removeprefix("torch.")}
     atomic_write_text(out_dir / "config.json", json.dumps(config, indent=2) + "\n")
+
+
+def shaped_like(target, model_type: str, layers: int) -> dict:
+    """The transformers config keys of a drafter as wide as `target` (so it can share the
+    target's embeddings and head): what new drafter configs start from."""
+    a = target.args
+    return {
+        "model_type": model_type,
+        "hidden_size": a.hidden_size,
+        "intermediate_size": a.intermediate_size,
+        "num_hidden_layers": layers,
+        "num_attention_heads": a.n_heads,
+        "num_key_value_heads": a.n_kv_heads,
+        "head_dim": a.head_dim,
+        "rms_norm_eps": a.rms_norm_eps,
+        "rope_parameters": dict(target.config.rope_parameters),
+        "max_position_embeddings": a.max_position,
+        "vocab_size": a.vocab_size,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+    }

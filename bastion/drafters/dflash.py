@@ -23,7 +23,7 @@ from torch import nn
 from transformers import AutoConfig
 
 from bastion.drafters.base import DraftContext, Drafter
-from bastion.drafters.checkpoint import read_checkpoint, save_checkpoint
+from bastion.drafters.checkpoint import read_checkpoint, save_checkpoint, shaped_like
 from bastion.models.kv_cache import KVCache
 from bastion.models.packed_linear import PackedLinear, linear, pack_weight
 from bastion.models.target import Target
@@ -190,20 +190,7 @@ def new_dflash_config(target: Target, layers: int, block_size: int, target_layer
         dflash["draft_vocab_size"] = draft_vocab_size
     return {
         "architectures": ["DFlashDraftModel"],
-        "model_type": "qwen3",
-        "hidden_size": a.hidden_size,
-        "intermediate_size": a.intermediate_size,
-        "num_hidden_layers": layers,
-        "num_attention_heads": a.n_heads,
-        "num_key_value_heads": a.n_kv_heads,
-        "head_dim": a.head_dim,
-        "rms_norm_eps": a.rms_norm_eps,
-        "rope_parameters": dict(target.config.rope_parameters),
-        "max_position_embeddings": a.max_position,
-        "vocab_size": a.vocab_size,
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "tie_word_embeddings": False,
+        **shaped_like(target, "qwen3", layers),
         "block_size": block_size,
         "num_target_layers": a.n_layers,
         "dflash_config": dflash,

@@ -92,10 +92,12 @@ def looks_local(source: str, bases: tuple[Path, ...] = (Path(),)) -> bool:
             or len(parts) == 2 and any((base / parts[0]).is_dir() for base in bases))
 
 
-def hub_dir(repo_id: str, setting: str = "target.source") -> Path:
+def hub_dir(repo_id: str, setting: str = "target.source", also: tuple[str, ...] = ()) -> Path:
+    """A Hub repository's config, safetensors and tokenizer files (and the patterns `also`
+    names) in the local cache, downloaded if need be."""
     from huggingface_hub import snapshot_download
 
-    patterns = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
+    patterns = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja", *also]
     try:
         return Path(snapshot_download(repo_id, allow_patterns=patterns))
     except Exception as err:  # offline, unknown repo, gated repo: one sentence for all

@@ -122,13 +122,16 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, input_size: int | None = None):
+        """`input_size`: what q, k and v project from, when not the hidden size (EAGLE-3's
+        layer reads a token embedding and a feature side by side)."""
         super().__init__()
         self.args = args
         h, d = args.hidden_size, args.head_dim
-        self.q_proj = nn.Linear(h, args.n_heads * d, bias=args.attention_bias)
-        self.k_proj = nn.Linear(h, args.n_kv_heads * d, bias=args.attention_bias)
-        self.v_proj = nn.Linear(h, args.n_kv_heads * d, bias=args.attention_bias)
+        x = input_size or h
+        self.q_proj = nn.Linear(x, args.n_heads * d, bias=args.attention_bias)
+        self.k_proj = nn.Linear(x, args.n_kv_heads * d, bias=args.attention_bias)
+        self.v_proj = nn.Linear(x, args.n_kv_heads * d, bias=args.attention_bias)
         self.o_proj = nn.Linear(args.n_heads * d, h, bias=args.output_bias)
         if args.qk_norm:
             self.q_norm = RMSNorm(d, args.rms_norm_eps)

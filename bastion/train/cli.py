@@ -23,15 +23,17 @@ from bastion.compose import (
     resolve_device,
 )
 from bastion.drafters.dflash import DFlashDrafter, evenly_spaced_layers, new_dflash_config
+from bastion.drafters.eagle3 import Eagle3Drafter, feature_layers, new_eagle3_config
 from bastion.drafters.flexdraft import FlexDraftDrafter
 from bastion.files import atomic_write_text, read_json
 from bastion.train.data import build_selfdistill, check_mix, source_counts, source_prompts
 from bastion.train.dflash import most_frequent_tokens, train_dflash
 from bastion.train.examples import split_examples, to_examples
+from bastion.train.eagle3 import train_eagle3
 from bastion.train.flexdraft import train_flexdraft
 from bastion.train.loop import write_log
 
-RECIPES = ("dflash", "flexdraft")
+RECIPES = ("dflash", "eagle3", "flexdraft")
 
 logger = logging.getLogger(__name__)  # Hydra's job logging: the console and the run dir's train.log
 
@@ -43,7 +45,7 @@ def train(cfg: DictConfig) -> None:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     if cfg.drafter.name not in RECIPES:
-        raise ValueError(f"train.py trains {' and '.join(RECIPES)} drafters (got drafter={cfg.drafter.name}).")
+        raise ValueError(f"train.py trains {', '.join(RECIPES)} drafters (got drafter={cfg.drafter.name}).")
     check_mix(cfg.data.mix, cfg.data.n_prompts, untrained_target=cfg.target.get("source") == "random")
     out = output_dir(cfg)
     # logger=wandb only; its files go beside the resumable training state
@@ -65,6 +67,9 @@ def train(cfg: DictConfig) -> None:
     if cfg.drafter.name == "dflash":
         drafter = new_dflash_drafter(cfg, target, layers, examples, recipe.layers, recipe.block_size)
         log = train_dflash(drafter, examples, state, **optim, seed=cfg.seed, val_examples=val_examples, on_log=on_log)
+    elif cfg.drafter.name == "eagle3":
+        drafter, columns = new_eagle3_drafter(target, layers, examples, recipe.draft_vocab)
+        log = train_eagle3(drafter, examples, state, **optim, columns=columns, seed=cfg.seed, val_examples=val_examples, on_log=on_log)
     else:
         drafter = FlexDraftDrafter(target, recipe.tuned_layers, recipe.group_size, recipe.calibration_hidden,
                                    mask_token_id=mask_token(cfg, target)).to(target.device)
@@ -125,6 +130,25 @@ def new_dflash_drafter(cfg: DictConfig, target, layers: tuple[int, ...], example
         drafter.set_draft_vocab(vocab)
         logger.info("draft vocabulary: %d tokens cover %.2f%% of the answer tokens", len(vocab), 100 * coverage)
     return drafter
+
+
+def new_eagle3_drafter(target, layers: tuple[int, ...], examples: list, draft_vocab: int | None) -> tuple[Eagle3Drafter, torch.Tensor]:
+    """An untrained EAGLE-3 drafter reading the three recorded layers nearest EAGLE-3's own
+    (low, middle, high), and which feature columns of the recorded ones those are; its draft
+    vocabulary the most frequent answer tokens of `examples`."""
+    wanted = feature_layers({}, target.args.n_layers)
+    chosen = [min(layers, key=lambda layer: (abs(layer - w), layer)) for w in wanted]
+    config = new_eagle3_config(target, draft_vocab)
+    config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [layer + 1 for layer in chosen]
+    drafter = Eagle3Drafter(config, target).to(target.device)
+    vocab, coverage = most_frequent_tokens(examples, draft_vocab or target.args.vocab_size, target.args.vocab_size)
+    drafter.d2t.copy_(vocab - torch.arange(len(vocab)))
+    drafter.t2d.zero_()[vocab] = True
+    logger.info("EAGLE-3 reads target layers %s; draft vocabulary: %d tokens cover %.2f%% of the answer tokens",
+                chosen, len(vocab), 100 * coverage)
+    h = target.args.hidden_size
+    columns = torch.cat([torch.arange(h) + layers.index(layer) * h for layer in chosen])
+    return drafter, columns
 
 
 def mask_token(cfg: DictConfig, target) -> int:

@@ -5,10 +5,12 @@ by rho = prod_k q_k(x_k). Scores only fall along a path and along a sibling list
 highest-scoring nodes form a prefix-closed tree, and listing them by decreasing score (parents
 first on ties) gives, in every prefix of n nodes, the optimal tree of size n.
 
-Built with whole-tensor ops, for all rows at once: the N best nodes hold at most N of any
-depth, and those are children of the N best of the depth above, so a beam of width N per depth
-(top-N of N x k children, of which only those with fewer than N better siblings and cousins
-can make it) holds them all; one stable sort over the beams' union orders them.
+From a drafter's candidate trees (TreeProposal) that is simply their N best nodes (EAGLE-2's
+rerank). From per-position candidates it is built with whole-tensor ops, for all rows at
+once: the N best nodes hold at most N of any depth, and those are children of the N best of
+the depth above, so a beam of width N per depth (top-N of N x k children, of which only those
+with fewer than N better siblings and cousins can make it) holds them all; one stable sort
+over the beams' union orders them.
 No per-node work on the host, and one transfer of the result.
 """
 
@@ -20,10 +22,12 @@ import numpy as np
 import torch
 
 from bastion.tree.draft_tree import DraftTree
-from bastion.tree.proposal import BlockProposal
+from bastion.tree.proposal import BlockProposal, TreeProposal
 
 
-def best_first(proposal: BlockProposal, max_nodes: int) -> list[DraftTree]:
+def best_first(proposal: BlockProposal | TreeProposal, max_nodes: int) -> list[DraftTree]:
+    if isinstance(proposal, TreeProposal):
+        return best_nodes(proposal.logq, proposal.parents, proposal.tokens, max_nodes)
     B, K, k = proposal.tokens.shape
     if max_nodes < 1 or K == 0:
         return [DraftTree.root_only(root) for root in proposal.roots]
@@ -42,8 +46,16 @@ def best_first(proposal: BlockProposal, max_nodes: int) -> list[DraftTree]:
         tokens.append(proposal.tokens[:, depth].gather(1, rank[top.indices]))
         beam_scores, n_seen = top.values, n_seen + top.values.shape[1]
         beam_ids = torch.arange(n_seen - top.values.shape[1], n_seen, device=device).expand(B, -1)
-    scores, parents, tokens = torch.cat(scores, 1), torch.cat(parents, 1), torch.cat(tokens, 1)  # [B, C]
-    order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, : max_nodes + 1]  # ties: shallower first
+    return best_nodes(torch.cat(scores, 1), torch.cat(parents, 1), torch.cat(tokens, 1), max_nodes)
+
+
+def best_nodes(scores: torch.Tensor, parents: torch.Tensor, tokens: torch.Tensor, max_nodes: int) -> list[DraftTree]:
+    """The root and the max_nodes candidates of highest path score, best first, as trees.
+    scores, parents, tokens: [B, C] candidates, the root (column 0) and every parent before
+    its children; a child never scores above its parent, so the picks are prefix-closed."""
+    B, device = scores.shape[0], scores.device
+    scores = scores.to(torch.promote_types(scores.dtype, torch.float32))
+    order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, : max(max_nodes, 0) + 1]  # ties: parents first
     place = torch.full_like(tokens, -1).scatter_(1, order, torch.arange(order.shape[1], device=device).expand(B, -1))  # candidate -> node
     parent = parents.gather(1, order)
     node_parents = torch.where(parent < 0, parent, place.gather(1, parent.clamp_min(0)))

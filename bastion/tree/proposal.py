@@ -1,4 +1,5 @@
-"""What a drafter proposes, in the form tree policies read: per-position candidates."""
+"""What a drafter proposes, in the forms tree policies read: per-position candidates (a block
+drafter's marginals) or candidate trees (an autoregressive drafter's)."""
 
 from __future__ import annotations
 
@@ -42,6 +43,21 @@ class BlockProposal:
         probs = torch.zeros(*self.tokens.shape[:2], vocab_size, device=self.tokens.device)
         probs.scatter_add_(-1, self.tokens, self.logprobs.exp().to(probs.dtype))
         return probs / probs.sum(-1, keepdim=True).clamp_min(1e-30)
+
+
+@dataclass
+class TreeProposal:
+    """Candidate trees an autoregressive drafter grew itself (EAGLE-2's expansion): each node's
+    children are the drafter's top choices given that node's own path, not one distribution
+    per position. Per row, C candidates, the root first and every parent before its children;
+    tree policies pick nodes from them (best-first: the N of highest path probability, EAGLE-2's
+    rerank; chain and static: by sibling rank)."""
+
+    roots: list[int]  # [B] last verified token of each row
+    tokens: torch.Tensor  # [B, C] candidate token ids; column 0: the root
+    parents: torch.Tensor  # [B, C] index of each candidate's parent (-1: the root)
+    logq: torch.Tensor  # [B, C] draft log-probability of the path root -> candidate (root: 0; -inf: no candidate)
+    ranks: torch.Tensor  # [B, C] rank among its siblings, 0 for the drafter's top choice
 
 
 def top_candidates(logits: torch.Tensor, roots: list[int], k: int) -> BlockProposal:

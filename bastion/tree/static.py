@@ -1,4 +1,5 @@
-"""Static policy: a fixed topology (EAGLE / Medusa style), filled from the drafter's marginals.
+"""Static policy: a fixed topology (EAGLE / Medusa style), filled from the drafter's marginals
+(or followed through an autoregressive drafter's candidate trees, by sibling rank).
 
 A topology is a list of rank paths: [0] is the top-1 token at the first position, [0, 1] the
 second-ranked token at the second position below it, and so on. The list order is the order
@@ -9,8 +10,10 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 from bastion.tree.draft_tree import DraftTree
-from bastion.tree.proposal import BlockProposal
+from bastion.tree.proposal import BlockProposal, TreeProposal
 
 # EAGLE-1's default tree (SafeAILab/EAGLE, model/choices.py `mc_sim_7b_63`): 25 nodes, depth 5.
 EAGLE1_25 = [[0], [1], [2], [3], [0, 0], [0, 1], [0, 2], [1, 0], [1, 1], [2, 0], [2, 1], [3, 0],
@@ -46,8 +49,10 @@ def topology(shape: str | list) -> list[tuple[int, ...]]:
     return paths
 
 
-def static(proposal: BlockProposal, max_nodes: int, shape: str | list = "eagle1_25") -> list[DraftTree]:
+def static(proposal: BlockProposal | TreeProposal, max_nodes: int, shape: str | list = "eagle1_25") -> list[DraftTree]:
     paths = topology(shape)
+    if isinstance(proposal, TreeProposal):
+        return follow_ranks(proposal, paths, max_nodes)
     tokens, logprobs = proposal.on_host()  # [B, K, k]
     K, k = proposal.tokens.shape[1:]
     trees = []
@@ -67,4 +72,27 @@ def static(proposal: BlockProposal, max_nodes: int, shape: str | list = "eagle1_
             parents.append(parent)
             logq.append(logq[parent] + lp)
         trees.append(DraftTree(tuple(tree_tokens), tuple(parents), tuple(logq)))
+    return trees
+
+
+def follow_ranks(proposal: TreeProposal, paths: list[tuple[int, ...]], max_nodes: int) -> list[DraftTree]:
+    """The nodes of a drafter's candidate trees that `paths` name by sibling rank (a path whose
+    candidate the drafter did not grow is skipped, with everything below it), in path order."""
+    tokens, parents, logq, ranks = torch.stack([proposal.tokens.double(), proposal.parents.double(),
+                                                proposal.logq.double(), proposal.ranks.double()]).tolist()  # one transfer
+    trees = []
+    for row_tokens, row_parents, row_logq, row_ranks in zip(tokens, parents, logq, ranks):
+        child = {(int(p), int(r)): c for c, (p, r, lq) in enumerate(zip(row_parents, row_ranks, row_logq)) if c and lq > -math.inf}
+        index = {(): 0}  # rank path -> node
+        where = {(): 0}  # rank path -> candidate
+        tree_tokens, tree_parents, tree_logq = [int(row_tokens[0])], [-1], [0.0]
+        for path in paths:
+            if len(tree_tokens) > max_nodes or path[:-1] not in where or (where[path[:-1]], path[-1]) not in child:
+                continue
+            c = child[where[path[:-1]], path[-1]]
+            where[path], index[path] = c, len(tree_tokens)
+            tree_tokens.append(int(row_tokens[c]))
+            tree_parents.append(index[path[:-1]])
+            tree_logq.append(row_logq[c])
+        trees.append(DraftTree(tuple(tree_tokens), tuple(tree_parents), tuple(tree_logq)))
     return trees
