@@ -185,8 +185,9 @@ def test_the_training_forward_is_tree_drafting_along_the_true_path(tiny_qwen3):
     tokens = list(range(300, 330))
     feats = target_features(tiny_qwen3, tokens[:-1], drafter.feature_layers)  # positions 0..28
     with torch.no_grad():
-        outputs = drafter.unrolled(feats, torch.tensor([tokens]), 3)
-        for c in (4, 17, 26):
-            for j in range(3):
-                expected = reference_children(drafter, tiny_qwen3, tokens[: c + 2], tokens[c + 2 : c + 2 + j])
-                torch.testing.assert_close(drafter.draft_logits(outputs[j][0, c]), expected, rtol=1e-7, atol=1e-7)
+        for first in (0, 3):  # every chain unrolled, or those from index 3 on
+            outputs = drafter.unrolled(feats, torch.tensor([tokens]), 3, first)
+            for c in (4, 17, 26):
+                for j in range(3):
+                    expected = reference_children(drafter, tiny_qwen3, tokens[: c + 2], tokens[c + 2 : c + 2 + j])
+                    torch.testing.assert_close(drafter.draft_logits(outputs[j][0, c - first]), expected, rtol=1e-7, atol=1e-7)

@@ -164,19 +164,22 @@ class Eagle3Drafter(nn.Module, Drafter):
         top = self.draft_logits(hidden).topk(self.top_k, dim=-1)
         return top.values, top.indices + self.d2t[top.indices]
 
-    def unrolled(self, features: torch.Tensor, tokens: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    def unrolled(self, features: torch.Tensor, tokens: torch.Tensor, steps: int, first: int = 0) -> list[torch.Tensor]:
         """Training forward (EAGLE-3's training-time test): `steps` draft steps of every chain at
         once. features [B, P, 3 h_target] of positions 0..P-1, tokens [B, P + 1] (padded with
         anything). Index q holds the chain whose verified context ends at position q: its step
         j reads the token at q + 1 + j beside step j - 1's output (the fused target features
         for j = 0), sits at position q + j, sees step 0's keys at positions <= q and its own
-        earlier steps' keys, and predicts the token at q + 2 + j, as tree drafting does on
-        the path of those tokens. Returns each step's outputs [B, P, h]."""
+        earlier steps' keys, and predicts the token at q + 2 + j, as tree drafting does on the
+        path of those tokens. Only the chains from index `first` on are unrolled (those whose
+        tokens carry loss: the prompt's positions are needed as context only). Returns each
+        step's outputs for those chains [B, P - first, h]."""
         B, P, _ = features.shape
         device = features.device
-        feature = self.fc(features.to(self.fc.weight.dtype))
         tokens = torch.nn.functional.pad(tokens, (0, steps))  # the last chains' steps read padding: no label there
-        index = torch.arange(P, device=device)
+        index = torch.arange(first, P, device=device)  # the chains unrolled
+        n = len(index)
+        context = torch.arange(P, device=device)[None, :] <= index[:, None]  # [n, P]: step 0's keys a chain sees
         keys, values, outputs = [], [], []
 
         def extend(k, v):
@@ -184,11 +187,15 @@ class Eagle3Drafter(nn.Module, Drafter):
             values.append(v)
             return torch.cat(keys, 2), torch.cat(values, 2)
 
-        for j in range(steps):
-            cos, sin = self.rotary((index + j).expand(B, P), feature.dtype)
-            earlier = [torch.eye(P, dtype=torch.bool, device=device)] * j  # a chain's own earlier steps, at its index
-            mask = torch.cat([torch.ones(P, P, dtype=torch.bool, device=device).tril(), *earlier], 1)  # [P, (j + 1) P]
-            feature = self.midlayer(self.embed(tokens[:, 1 + j : 1 + j + P]), feature, cos, sin, mask[None, None], extend)
+        feature = self.fc(features.to(self.fc.weight.dtype))  # step 0 runs every position: the context's keys
+        cos, sin = self.rotary(torch.arange(P, device=device).expand(B, P), feature.dtype)
+        full = self.midlayer(self.embed(tokens[:, 1 : 1 + P]), feature, cos, sin, torch.ones(P, P, dtype=torch.bool, device=device).tril()[None, None], extend)
+        feature = full[:, first:]
+        outputs.append(feature)
+        for j in range(1, steps):
+            cos, sin = self.rotary((index + j).expand(B, n), feature.dtype)
+            mask = torch.cat([context, *[torch.eye(n, dtype=torch.bool, device=device)] * j], 1)  # [n, P + j n]: a chain's own earlier steps at its index
+            feature = self.midlayer(self.embed(tokens[:, first + 1 + j : first + 1 + j + n]), feature, cos, sin, mask[None, None], extend)
             outputs.append(feature)
         return outputs
 

@@ -38,8 +38,10 @@ def ttt_loss(drafter: Eagle3Drafter, batch, steps: int, decay: float, to_draft: 
     per-step hits and counts."""
     tokens, features, starts, lengths = batch
     B, P = features.shape[:2]
-    outputs = drafter.unrolled(features, tokens, steps)
-    label_pos = torch.arange(P)[None, :, None] + 2 + torch.arange(steps)  # [1, P, steps]
+    first = max(0, int(starts.min()) - 2)  # the first chain whose first draft is an answer token
+    outputs = drafter.unrolled(features, tokens, steps, first)
+    P = P - first
+    label_pos = first + torch.arange(P)[None, :, None] + 2 + torch.arange(steps)  # [1, P, steps]
     valid = (label_pos >= starts[:, None, None]) & (label_pos < lengths[:, None, None])  # [B, P, steps]: answer tokens only
     labels = to_draft[tokens.gather(1, label_pos.clamp(max=tokens.shape[1] - 1).expand(B, -1, -1).flatten(1)).view(B, P, steps)]
     scored = valid & (labels >= 0)
