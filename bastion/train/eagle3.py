@@ -62,7 +62,7 @@ def train_eagle3(drafter: Eagle3Drafter, examples: list[Example], state_path: Pa
     recorded ones."""
     to_draft = torch.full((drafter.target.args.vocab_size,), -1, dtype=torch.long)  # target id -> draft id, -1 outside
     draft_ids = torch.arange(len(drafter.d2t))
-    to_draft[(draft_ids + drafter.d2t).cpu()] = draft_ids
+    to_draft[draft_ids + drafter.d2t.cpu()] = draft_ids
     return train_loop(
         drafter, [{"params": [p for p in drafter.parameters() if p.requires_grad], "lr": lr}],
         lambda gen: sample_sequences(examples, seqs_per_step, columns, gen),
