@@ -40,7 +40,8 @@ def main(argv: list[str]) -> None:
     optim = OmegaConf.to_container(recipe.optim)
     optim.update(steps=steps + 1, save_every=10**9, log_every=1, val_every=10**9,
                  autocast=resolve_bfloat16(optim["autocast"], cfg.device))
-    drafter = FlexDraftDrafter(target, recipe.tuned_layers, recipe.group_size, recipe.calibration_hidden).to(target.device)
+    drafter = FlexDraftDrafter(target, recipe.tuned_layers, recipe.group_size, recipe.calibration_hidden,
+                               draft_vocab_size=recipe.draft_vocab).to(target.device)
     with tempfile.TemporaryDirectory() as tmp:  # the loop saves its state at the end
         log = train_flexdraft(drafter, examples, Path(tmp) / "state.pt", **optim, val_examples=[])
     seconds = sorted(r["s_per_step"] for r in log[1:])[len(log[1:]) // 2]  # the first step warms up

@@ -126,6 +126,22 @@ def test_checkpoint_roundtrip_and_mismatch(tiny_qwen3, tmp_path):
         load_flexdraft(tiny_qwen3, str(tmp_path))
 
 
+def test_a_draft_vocabulary_narrows_the_head_the_calibration_and_the_drafts(tiny_qwen3, tmp_path):
+    drafter = with_draft_vocab(random_flexdraft(tiny_qwen3, draft_vocab_size=300))
+    assert drafter.calibration[2].out_features == 300 and drafter.head_weight().shape == (300, 64)
+    cache = committed_cache(tiny_qwen3, list(range(300, 340)))
+    proposal = drafter.propose(DraftContext([list(range(300, 341))], None, [0], cache))
+    assert set(proposal.tokens.flatten().tolist()) <= set(range(0, 900, 3)) and len(drafter.draft_vocab) == 300
+    assert proposal.logits.shape[-1] == 49152 and proposal.logits[..., 1].isneginf().all()  # the full vocabulary, -inf outside
+    drafter.save(tmp_path, torch.float64)
+    assert json.loads((tmp_path / "config.json").read_text())["draft_vocab_size"] == 300
+    loaded = load_flexdraft(tiny_qwen3, str(tmp_path))
+    assert torch.equal(loaded.draft_vocab, drafter.draft_vocab)
+    cache = committed_cache(tiny_qwen3, list(range(300, 340)))
+    again = loaded.propose(DraftContext([list(range(300, 341))], None, [0], cache))
+    assert torch.equal(again.tokens, proposal.tokens)
+
+
 def overhead_bound_latency(target, token_share: float) -> LatencyModel:
     """A fixed cost per forward plus `token_share` of it per token (a small model on a CPU)."""
     cost = ForwardCost(target.args, 8)
@@ -186,13 +202,24 @@ def test_auto_calibration_races_the_two_heads():
     assert drafter.uses_mlp()
 
 
+def with_draft_vocab(drafter, size=300, including=()):
+    """The drafter drafting from `including` and every third token only, `size` tokens in all."""
+    others = [t for t in range(0, 3 * size, 3) if t not in set(including)]
+    drafter.set_draft_vocab(torch.tensor(sorted({*including, *others[: size - len(set(including))]})))
+    return drafter
+
+
+@pytest.mark.parametrize("draft_vocab", [False, True], ids=["", "draft_vocab"])
 @pytest.mark.parametrize("calibration", ["on", "off", "auto"])
-def test_lossless_with_every_calibration(tiny_llama, calibration):
+def test_lossless_with_every_calibration(tiny_llama, calibration, draft_vocab):
     prompts = random_prompts(4, seed=3)
     target, expected = with_eos_mid_output(tiny_llama, prompts, 20)
-    drafter = random_flexdraft(target)
+    drafter = random_flexdraft(target, draft_vocab_size=300 if draft_vocab else None)
+    if draft_vocab:  # AR's tokens among others, so that drafts can be accepted
+        with_draft_vocab(drafter, including={t for e in expected for t in e})
     drafter.calibration_mode = calibration
     d = generate(target, prompts, drafter=drafter, policy=best_first, budget=FixedBudget(4), max_new_tokens=20)
     for p, exp, gen in zip(prompts, expected, d.generations):
         assert_same_tokens(target, p, exp, gen.tokens, f"calibration {calibration}")
-    assert sum(drafter.mlp_wins) > 1 or calibration != "auto"  # the race was scored
+    assert sum(drafter.mlp_wins) > 1 or calibration != "auto" or draft_vocab  # the race was scored (a narrower head ties more)
+    assert sum(sum(s.produced) - len(s.produced) for s in d.steps) > 0  # drafts were accepted

@@ -30,7 +30,7 @@ from bastion.train.data import (
     user_turn_prefix,
 )
 from bastion.train.dflash import feature_std, soft_cross_entropy, train_dflash, with_feature_noise
-from bastion.train.cli import new_eagle3_drafter
+from bastion.train.cli import new_eagle3_drafter, with_draft_vocab
 from bastion.train.examples import sample_anchors, split_examples, to_examples
 from bastion.train.eagle3 import train_eagle3
 from bastion.train.flexdraft import group_loss, train_flexdraft
@@ -167,7 +167,8 @@ def test_training_learns_and_resumes(tiny, data, kind, autocast, tmp_path):
         drafter, columns = new_eagle3_drafter(tiny, (0, 1), examples, 300)
         train, kw = partial(train_eagle3, columns=columns), dict(seqs_per_step=2, lr=3e-3, ttt_steps=3)
     else:
-        drafter, train = FlexDraftDrafter(tiny, tuned_layers=1, group_size=4, calibration_hidden=16, mask_token_id=16), train_flexdraft
+        drafter = FlexDraftDrafter(tiny, tuned_layers=1, group_size=4, calibration_hidden=16, mask_token_id=16, draft_vocab_size=400)
+        drafter, train = with_draft_vocab(drafter, examples, 400), train_flexdraft  # labels outside it carry no loss
         kw = dict(seqs_per_step=2, anchors=8, lr=3e-3, lr_tuned=1e-3)
     kw["autocast"] = autocast
     state = tmp_path / "state.pt"

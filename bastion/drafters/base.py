@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from bastion.models.packed_linear import PackedLinear, linear, pack_weight
 from bastion.tree.draft_tree import DraftTree
 from bastion.tree.proposal import BlockProposal, TreeProposal
 
@@ -62,3 +63,50 @@ class Drafter:
 
     def accept(self, paths: list[list[int]]) -> None:
         """The accepted paths (tree indices) of the step verify_forward ran."""
+
+
+class DraftVocabulary:
+    """An optional draft vocabulary for drafters that score drafts with the target's own LM
+    head (DFlash, FlexDraft; EAGLE-3's trick): drafts come from these target tokens only, so
+    the head reads a fraction of its rows, and whatever the drafter adds per token (FlexDraft's
+    calibration bias) is that much smaller. The drafter registers a `draft_vocab` buffer ([V']
+    token ids, or None for the whole vocabulary) and holds `target`."""
+
+    _head: torch.Tensor | None = None  # the LM head rows of the draft vocabulary, gathered once
+    _head_packed: torch.Tensor | None = None  # and packed for oneDNN when the target's head is
+
+    def set_draft_vocab(self, token_ids: torch.Tensor) -> None:
+        self.draft_vocab = token_ids.to(self.draft_vocab.device if self.draft_vocab is not None else token_ids.device)
+        self._head = None
+
+    def head_weight(self) -> torch.Tensor:
+        """The LM head rows drafts are scored over: all of them, or the draft vocabulary's."""
+        weight = self.target.model.lm_head.weight
+        if self.draft_vocab is None:
+            return weight
+        if self._head is None or self._head.device != weight.device or self._head.dtype != weight.dtype:
+            self._head = weight[self.draft_vocab].detach()
+            self._head_packed = pack_weight(self._head) if isinstance(self.target.model.lm_head, PackedLinear) else None
+        return self._head
+
+    def draft_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., h] -> logits over the draft vocabulary [..., V'] (the whole one without)."""
+        if self.draft_vocab is None:
+            return self.target.model.lm_head(hidden)
+        return linear(hidden, self.head_weight(), self._head_packed)
+
+    def in_full_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits [..., V'] -> [..., V], -inf outside it (float32 at least)."""
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        if self.draft_vocab is None:
+            return logits
+        full = logits.new_full((*logits.shape[:-1], self.target.args.vocab_size), -torch.inf)
+        return full.index_copy_(-1, self.draft_vocab, logits)
+
+    def to_draft_ids(self) -> torch.Tensor | None:
+        """[V] target id -> draft id (-1 outside the draft vocabulary), on the host; None without one."""
+        if self.draft_vocab is None:
+            return None
+        to_draft = torch.full((self.target.args.vocab_size,), -1, dtype=torch.long)
+        to_draft[self.draft_vocab.cpu()] = torch.arange(len(self.draft_vocab))
+        return to_draft

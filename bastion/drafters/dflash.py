@@ -22,16 +22,15 @@ import torch
 from torch import nn
 from transformers import AutoConfig
 
-from bastion.drafters.base import DraftContext, Drafter
+from bastion.drafters.base import DraftContext, Drafter, DraftVocabulary
 from bastion.drafters.checkpoint import read_checkpoint, save_checkpoint, shaped_like
 from bastion.models.kv_cache import KVCache
-from bastion.models.packed_linear import PackedLinear, linear, pack_weight
 from bastion.models.target import Target
 from bastion.models.transformer import Block, ModelArgs, RMSNorm, Rotary
 from bastion.tree.proposal import BlockProposal, top_candidates
 
 
-class DFlashDrafter(nn.Module, Drafter):
+class DFlashDrafter(nn.Module, DraftVocabulary, Drafter):
     def __init__(self, config: dict, target: Target, top_k: int = 8, block_size: int | None = None):
         super().__init__()
         dflash = config.get("dflash_config", {})
@@ -50,14 +49,11 @@ class DFlashDrafter(nn.Module, Drafter):
         self.hidden_norm = RMSNorm(h, self.args.rms_norm_eps)
         self.norm = RMSNorm(h, self.args.rms_norm_eps)
         self.rotary = Rotary(hf_config)
-        # An optional draft vocabulary (EAGLE-3's trick, our extension of the format): drafts
-        # come from these target tokens only, so the LM head reads a fraction of its rows.
+        # An optional draft vocabulary (base.DraftVocabulary; our extension of the format)
         vocab = dflash.get("draft_vocab_size")
         self.register_buffer("draft_vocab", torch.arange(vocab) if vocab else None)
         self.target = target  # a plain dataclass: its weights are shared, not registered here
         self.cache: KVCache | None = None
-        self._head: torch.Tensor | None = None  # the LM head rows of the draft vocabulary, gathered once
-        self._head_packed: torch.Tensor | None = None  # and packed for oneDNN when the target's head is
 
     # ---- decoding ---------------------------------------------------------------------------
     def reset(self, batch_size: int, capacity: int) -> None:
@@ -88,28 +84,11 @@ class DFlashDrafter(nn.Module, Drafter):
         logits = self.logits(self.norm(x)[:, 1:])  # [B, K-1, V]: the root needs no draft
         return top_candidates(logits, roots, self.top_k)
 
-    def set_draft_vocab(self, token_ids: torch.Tensor) -> None:
-        self.draft_vocab = token_ids.to(self.fc.weight.device)
-        self._head = None
-
-    def head_weight(self) -> torch.Tensor:
-        """The LM head rows drafts are scored over: all of them, or the draft vocabulary's."""
-        weight = self.target.model.lm_head.weight
-        if self.draft_vocab is None:
-            return weight
-        if self._head is None or self._head.device != weight.device or self._head.dtype != weight.dtype:
-            self._head = weight[self.draft_vocab].detach()
-            self._head_packed = pack_weight(self._head) if isinstance(self.target.model.lm_head, PackedLinear) else None
-        return self._head
-
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., h] -> full-vocabulary logits [..., V]; tokens outside the draft vocabulary get -inf."""
         if self.draft_vocab is None:
             return self.target.logits(hidden)
-        logits = linear(hidden, self.head_weight(), self._head_packed)
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        full = logits.new_full((*logits.shape[:-1], self.target.args.vocab_size), -torch.inf)
-        return full.index_copy_(-1, self.draft_vocab, logits)
+        return self.in_full_vocab(self.draft_head(hidden))
 
     def _append_context(self, features: torch.Tensor, n_features: list[int]) -> None:
         """Project newly verified tokens' target features [B, T, F] and cache every layer's K/V."""

@@ -30,22 +30,22 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from bastion.drafters.base import DraftContext, Drafter
+from bastion.drafters.base import DraftContext, Drafter, DraftVocabulary
 from bastion.drafters.checkpoint import read_checkpoint, save_checkpoint
 from bastion.models.attention import attend
 from bastion.models.kv_cache import KVCache
 from bastion.models.target import Target
 from bastion.tree.draft_tree import DraftTree
-from bastion.tree.proposal import BlockProposal, matched_prefix
+from bastion.tree.proposal import BlockProposal, matched_prefix, top_candidates
 
 CALIBRATION = ("on", "off", "auto")
 SELECTIONS = ("min_confidence", "cumulative_product")
 
 
-class FlexDraftDrafter(nn.Module, Drafter):
+class FlexDraftDrafter(nn.Module, DraftVocabulary, Drafter):
     def __init__(self, target: Target, tuned_layers: int = 4, group_size: int = 8, calibration_hidden: int = 256,
                  selection: str = "min_confidence", threshold: float = 0.1, top_k: int = 8,
-                 mask_token_id: int | None = None):
+                 mask_token_id: int | None = None, draft_vocab_size: int | None = None):
         super().__init__()
         args = target.args
         if not 1 <= tuned_layers <= args.n_layers:
@@ -66,13 +66,16 @@ class FlexDraftDrafter(nn.Module, Drafter):
         embed = target.model.embed_tokens.weight
         start = embed[mask_token_id] if mask_token_id is not None else embed.mean(0)
         self.mask_embedding = nn.Parameter(start.detach().clone())
+        # an optional draft vocabulary (DraftVocabulary): the head and the calibration bias cover it alone
+        self.register_buffer("draft_vocab", torch.arange(draft_vocab_size) if draft_vocab_size else None)
         self.calibration = nn.Sequential(nn.Linear(2 * args.hidden_size, calibration_hidden), nn.SiLU(),
-                                         nn.Linear(calibration_hidden, args.vocab_size))
+                                         nn.Linear(calibration_hidden, draft_vocab_size or args.vocab_size))
         nn.init.zeros_(self.calibration[2].weight)  # starts as "no correction"
         nn.init.zeros_(self.calibration[2].bias)
         self.config = {"architectures": ["FlexDraftDrafter"], "target": target.name, "num_target_layers": args.n_layers,
                        "hidden_size": args.hidden_size, "vocab_size": args.vocab_size, "tuned_layers": tuned_layers,
-                       "group_size": group_size, "calibration_hidden": calibration_hidden}
+                       "group_size": group_size, "calibration_hidden": calibration_hidden,
+                       **({"draft_vocab_size": draft_vocab_size} if draft_vocab_size else {})}
         self._pending: dict[int, torch.Tensor] = {}  # row -> hidden of the group drafted for its accepted node
         self._groups = None  # (kept nodes, their groups' hidden states) of a parallel verification
         self._lengths: list[int] | None = None  # auto: rows' sequence lengths when the raced drafts were made
@@ -103,11 +106,11 @@ class FlexDraftDrafter(nn.Module, Drafter):
         return model.norm(x) if layers.stop == len(model.layers) else x
 
     def draft_logits(self, hidden: torch.Tensor, bonus: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Group hidden states [..., G, h] and bonus tokens [...] -> draft logits [..., G-1, V]
-        for the tokens after the bonus, without and with the calibration MLP's bias (None when
-        calibration is off)."""
+        """Group hidden states [..., G, h] and bonus tokens [...] -> draft logits [..., G-1, V']
+        over the draft vocabulary for the tokens after the bonus, without and with the
+        calibration MLP's bias (None when calibration is off)."""
         drafts = hidden[..., 1:, :]
-        plain = self.target.model.lm_head(drafts)
+        plain = self.draft_head(drafts)
         if self.calibration_mode == "off":
             return plain, None
         bonus_embed = self.target.model.embed_tokens(bonus)[..., None, :].expand_as(drafts)
@@ -168,13 +171,11 @@ class FlexDraftDrafter(nn.Module, Drafter):
                 hidden[b] = h
         self._pending = {}
         device = self.mask_embedding.device
-        plain, calibrated = self.draft_logits(torch.stack(hidden), torch.tensor(roots, device=device))
+        plain, calibrated = (self.in_full_vocab(logits) if logits is not None else None
+                             for logits in self.draft_logits(torch.stack(hidden), torch.tensor(roots, device=device)))
         if self.calibration_mode == "auto":
             self._lengths, self._race = [len(s) for s in ctx.sequences], (plain.argmax(-1), calibrated.argmax(-1))
-        logits = (calibrated if self.uses_mlp() else plain).float()
-        logprobs = torch.log_softmax(logits, -1)
-        top = logprobs.topk(self.top_k, dim=-1)
-        return BlockProposal(roots, top.indices, top.values, logits)
+        return top_candidates(calibrated if self.uses_mlp() else plain, roots, self.top_k)
 
     def draft_after_prefix(self, cache: KVCache, rows: list[int]) -> list[torch.Tensor]:
         """One group per row in `rows`, right after its verified prefix: [G, h] each."""
@@ -281,7 +282,7 @@ def load_flexdraft(target: Target, checkpoint: str | None, selection: str = "min
             f"{config['hidden_size']}, vocab {config['vocab_size']}); target {target.name} has {a.n_layers}, {a.hidden_size}, {a.vocab_size}."
         )
     drafter = FlexDraftDrafter(target, config["tuned_layers"], config["group_size"], config["calibration_hidden"],
-                               selection, threshold, top_k)
+                               selection, threshold, top_k, draft_vocab_size=config.get("draft_vocab_size"))
     drafter.load_state_dict(state)
     drafter.calibration_mode = {True: "on", False: "off"}.get(calibration, calibration)
     if drafter.calibration_mode not in CALIBRATION:

@@ -72,7 +72,8 @@ def train(cfg: DictConfig) -> None:
         log = train_eagle3(drafter, examples, state, **optim, columns=columns, seed=cfg.seed, val_examples=val_examples, on_log=on_log)
     else:
         drafter = FlexDraftDrafter(target, recipe.tuned_layers, recipe.group_size, recipe.calibration_hidden,
-                                   mask_token_id=mask_token(cfg, target)).to(target.device)
+                                   mask_token_id=mask_token(cfg, target), draft_vocab_size=recipe.draft_vocab).to(target.device)
+        with_draft_vocab(drafter, examples, recipe.draft_vocab)
         log = train_flexdraft(drafter, examples, state, **optim, seed=cfg.seed, val_examples=val_examples, on_log=on_log)
     drafter.save(out, getattr(torch, recipe.save_dtype))
     atomic_write_text(out / "train_config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
@@ -124,9 +125,14 @@ def new_dflash_drafter(cfg: DictConfig, target, layers: tuple[int, ...], example
     the most frequent answer tokens of `examples`."""
     draft_vocab = cfg.recipe.draft_vocab
     config = new_dflash_config(target, n_layers, block_size, list(layers), mask_token(cfg, target), draft_vocab)
-    drafter = DFlashDrafter(config, target).to(target.device)
-    if draft_vocab:
-        vocab, coverage = most_frequent_tokens(examples, draft_vocab, target.args.vocab_size)
+    return with_draft_vocab(DFlashDrafter(config, target).to(target.device), examples, draft_vocab)
+
+
+def with_draft_vocab(drafter, examples: list, size: int | None):
+    """`drafter` with its draft vocabulary (when `size` asks for one): the most frequent answer
+    tokens of `examples`."""
+    if size:
+        vocab, coverage = most_frequent_tokens(examples, size, drafter.target.args.vocab_size)
         drafter.set_draft_vocab(vocab)
         logger.info("draft vocabulary: %d tokens cover %.2f%% of the answer tokens", len(vocab), 100 * coverage)
     return drafter

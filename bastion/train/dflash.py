@@ -149,10 +149,7 @@ def train_dflash(drafter: DFlashDrafter, examples: list[Example], state_path: Pa
         batch = sample_batch(examples, seqs_per_step, anchors, gen, soft_labels > 0)
         return batch if noise is None else with_feature_noise(batch, noise, gen)
 
-    to_draft = None
-    if drafter.draft_vocab is not None:  # built once, not per step
-        to_draft = torch.full((drafter.target.args.vocab_size,), -1, dtype=torch.long)
-        to_draft[drafter.draft_vocab] = torch.arange(len(drafter.draft_vocab))
+    to_draft = drafter.to_draft_ids()  # built once, not per step
     return train_loop(
         drafter, [{"params": [p for p in drafter.parameters() if p.requires_grad], "lr": lr}],
         batches,

@@ -20,9 +20,10 @@ from bastion.train.examples import Example, fixed_batches, sample_anchors
 from bastion.train.loop import train_loop
 
 
-def group_loss(drafter: FlexDraftDrafter, batch, gamma: float):
-    """Weighted CE of the drafts (masks 2..G) with and without calibration; per-position hits
-    (calibrated) and counts."""
+def group_loss(drafter: FlexDraftDrafter, batch, gamma: float, to_draft: torch.Tensor | None = None):
+    """Weighted CE of the drafts (masks 2..G) with and without calibration, over the draft
+    vocabulary when the drafter has one (`to_draft` maps target ids to draft ids, -1 outside
+    it, and those labels carry no loss); per-position hits (calibrated) and counts."""
     _, tokens, anchors, anchor_ok, lengths = batch
     target = drafter.target
     B, S = tokens.shape
@@ -49,15 +50,20 @@ def group_loss(drafter: FlexDraftDrafter, batch, gamma: float):
     above = range(below.stop, len(target.model.layers))
     hidden = drafter.run_layers(x, positions, attn_mask, None, with_clean, above).view(B, M, G, -1)
     drafts = hidden[:, :, 1:]  # [B, M, G-1, h]
-    base = F.linear(drafts.flatten(0, 2), target.model.lm_head.weight).float()
+    base = F.linear(drafts.flatten(0, 2), drafter.head_weight()).float()  # [B*M*(G-1), V']: a 2-D matmul
     bonus = target.model.embed_tokens(tokens.gather(1, anchors))[:, :, None, :].expand_as(drafts)
     calibrated = base + drafter.calibration(torch.cat([bonus, drafts], -1)).flatten(0, 2).float()
     label_pos = anchors[:, :, None] + torch.arange(1, G)  # [B, M, G-1]
     label_ok = anchor_ok[:, :, None] & (label_pos < lengths[:, None, None])
     labels = tokens.gather(1, label_pos.clamp(max=S - 1).flatten(1)).flatten()
-    weights = (label_ok * torch.exp(-torch.arange(G - 1) / gamma)).flatten()
-    loss = sum((F.cross_entropy(l, labels, reduction="none") * weights).sum() for l in (base, calibrated)) / weights.sum()
-    hits = ((calibrated.argmax(-1) == labels).view_as(label_ok) & label_ok).flatten(0, 1).sum(0)
+    scored = label_ok  # a token outside the draft vocabulary cannot be drafted: no loss, a miss
+    if to_draft is not None:
+        labels = to_draft[labels]
+        scored = label_ok & (labels >= 0).view_as(label_ok)
+        labels = labels.clamp(min=0)
+    weights = (scored * torch.exp(-torch.arange(G - 1) / gamma)).flatten()
+    loss = sum((F.cross_entropy(l, labels, reduction="none") * weights).sum() for l in (base, calibrated)) / weights.sum().clamp_min(1e-9)
+    hits = ((calibrated.argmax(-1) == labels).view_as(label_ok) & scored).flatten(0, 1).sum(0)
     return loss, hits, label_ok.flatten(0, 1).sum(0)
 
 
@@ -68,12 +74,13 @@ def train_flexdraft(drafter: FlexDraftDrafter, examples: list[Example], state_pa
     calibration MLP and, where `mask_embedding`, the mask embedding (at lr). A frozen mask
     embedding spares the backward pass through every layer below the tuned ones."""
     drafter.mask_embedding.requires_grad_(mask_embedding)
+    to_draft = drafter.to_draft_ids()  # built once, not per step
     groups = [{"params": list(drafter.tuned.parameters()), "lr": lr_tuned},
               {"params": [*([drafter.mask_embedding] if mask_embedding else []), *drafter.calibration.parameters()], "lr": lr}]
     return train_loop(
         drafter, groups,
         lambda gen: sample_anchors(examples, seqs_per_step, anchors, gen),
-        lambda batch: group_loss(drafter, batch, gamma),
+        lambda batch: group_loss(drafter, batch, gamma, to_draft),
         state_path, steps, desc="train flexdraft",
         val_batches=fixed_batches(lambda gen: sample_anchors(val_examples, seqs_per_step, anchors, gen)) if val_examples else None,
         **loop,
