@@ -52,6 +52,7 @@ from bastion.budget.hardware import device_name
 from bastion.budget.latency import PROBE_SIZES, LatencyModel, probe
 from bastion.compose import hardware
 from bastion.drafters.dflash import DFlashDrafter, evenly_spaced_layers, new_dflash_config
+from bastion.drafters.eagle3 import Eagle3Drafter, new_eagle3_config
 from bastion.engine import generate
 from bastion.files import atomic_write_text
 from bastion.models.attention import Layout, attend, choose_kernel
@@ -187,6 +188,19 @@ class Run:
         with torch.device(s.device), default_dtype(s.dtype):
             drafter = DFlashDrafter(config, target, top_k=top_k)
         randomize(drafter, target.config.initializer_range, torch.Generator(s.device).manual_seed(1))
+        return drafter.eval()
+
+    @cached_property
+    def eagle3(self) -> Eagle3Drafter:
+        """A random EAGLE-3 drafter shaped like the target's released one (one layer as wide as
+        the target, a 32000-token draft vocabulary as AngelSlim/Qwen3-8B_eagle3's), growing
+        trees at EAGLE-3's paper settings (depth 7, top-k 10)."""
+        s, target = self.scale, self.target
+        vocab = min(32000, target.args.vocab_size)
+        with torch.device(s.device), default_dtype(s.dtype):
+            drafter = Eagle3Drafter(new_eagle3_config(target, vocab), target, top_k=10, depth=7)
+        randomize(drafter, target.config.initializer_range, torch.Generator(s.device).manual_seed(2))
+        drafter.d2t.zero_()  # drafts from the first `vocab` target tokens
         return drafter.eval()
 
     @cached_property
@@ -336,9 +350,11 @@ def section_lossless(run: Run) -> dict:
     bastion = BastionBudget(probe=False)  # the profile's prior: sizing does not change what is accepted
     bastion.start(target, run.hardware, run.cache_dir)
     out = {"prompts": [len(p) for p in prompts], "new_tokens": s.lossless_tokens, "ar_s": ar.wall_s}
-    budgets = {f"best_first+fixed{s.fixed_nodes}": FixedBudget(s.fixed_nodes), "best_first+bastion": bastion}
-    for name, budget in budgets.items():
-        decoding = generate(target, prompts, drafter=run.drafter, policy=best_first, budget=budget,
+    methods = {f"best_first+fixed{s.fixed_nodes}": (run.drafter, FixedBudget(s.fixed_nodes)),
+               "best_first+bastion": (run.drafter, bastion),
+               "eagle3+best_first+fixed59": (run.eagle3, FixedBudget(59))}  # EAGLE-3's 60 verified tokens
+    for name, (drafter, budget) in methods.items():
+        decoding = generate(target, prompts, drafter=drafter, policy=best_first, budget=budget,
                             max_new_tokens=s.lossless_tokens)
         found = [divergence(target, prompt, a.tokens, d.tokens)
                  for prompt, a, d in zip(prompts, ar.generations, decoding.generations)]
