@@ -78,7 +78,7 @@ def test_best_first_takes_the_likeliest_candidates_and_chain_follows_top_ranks()
     tokens = torch.tensor([[5, 6, 7, 8, 9]])
     parents = torch.tensor([[-1, 0, 0, 1, 1]])
     logq = torch.tensor([[1.0, 0.6, 0.3, 0.3, 0.24]]).log()
-    proposal = TreeProposal([5], tokens, parents, logq, torch.tensor([[0, 0, 1, 0, 1]]))
+    proposal = TreeProposal([5], tokens, parents, logq, torch.tensor([[0, 0, 1, 0, 1]]), depth=2)
     (tree,) = best_first(proposal, 3)
     assert tree.tokens == (5, 6, 7, 8) and tree.parents == (-1, 0, 0, 1)  # .6, then .3 twice: the earlier first
     (tree,) = chain(proposal, 5)
@@ -152,7 +152,7 @@ class OracleEagle3(Eagle3Drafter):
                     on_path[c] = depth + 1
                 elif tokens[b, c] == truth[depth]:
                     tokens[b, c] = 3  # a decoy, not the truth at another rank
-        return TreeProposal(proposal.roots, tokens, proposal.parents, proposal.logq, proposal.ranks)
+        return TreeProposal(proposal.roots, tokens, proposal.parents, proposal.logq, proposal.ranks, proposal.depth)
 
 
 @pytest.mark.parametrize("policy", ["best_first", "chain", "static"])

@@ -133,7 +133,7 @@ class Eagle3Drafter(nn.Module, Drafter):
             beam_tokens = ids.flatten(1).gather(1, top.indices)
             beam_feature = out.gather(1, slot[..., None].expand(-1, -1, h))
             sees = torch.cat([sees.gather(1, slot[..., None].expand(-1, -1, E)), torch.eye(k, dtype=torch.bool, device=device).expand(B, k, k)], 2)
-        return TreeProposal(roots, torch.cat(tokens, 1), torch.cat(parents, 1), torch.cat(logq, 1), torch.cat(ranks, 1))
+        return TreeProposal(roots, torch.cat(tokens, 1), torch.cat(parents, 1), torch.cat(logq, 1), torch.cat(ranks, 1), self.depth)
 
     def _append_context(self, ctx: DraftContext) -> torch.Tensor:
         """Run the newly verified positions (their target features beside the token after each)

@@ -11,7 +11,7 @@ from bastion.tree.static import follow_ranks
 
 def chain(proposal: BlockProposal | TreeProposal, max_nodes: int) -> list[DraftTree]:
     if isinstance(proposal, TreeProposal):
-        return follow_ranks(proposal, [(0,) * depth for depth in range(1, max_nodes + 1)], max_nodes)
+        return follow_ranks(proposal, [(0,) * depth for depth in range(1, min(max_nodes, proposal.depth) + 1)], max_nodes)
     tokens, logprobs = proposal.on_host()  # [B, K, k]
     trees = []
     for root, row_tokens, row_logprobs in zip(proposal.roots, tokens, logprobs):

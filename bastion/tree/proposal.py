@@ -58,6 +58,7 @@ class TreeProposal:
     parents: torch.Tensor  # [B, C] index of each candidate's parent (-1: the root)
     logq: torch.Tensor  # [B, C] draft log-probability of the path root -> candidate (root: 0; -inf: no candidate)
     ranks: torch.Tensor  # [B, C] rank among its siblings, 0 for the drafter's top choice
+    depth: int  # the deepest candidates' depth (the draft steps that grew them)
 
 
 def top_candidates(logits: torch.Tensor, roots: list[int], k: int) -> BlockProposal:
