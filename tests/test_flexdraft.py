@@ -59,8 +59,30 @@ def test_parallel_group_equals_the_sequential_draft(tiny_qwen3, node):
     drafter.accept([path])
     parallel = drafter._pending[0]
     fresh = committed_cache(tiny_qwen3, prefix + [TREE.tokens[i] for i in path])
-    (sequential,) = drafter.draft_after_prefix(fresh, [0])
+    (sequential,) = drafter.draft_after_prefix(fresh, [0], [TREE.tokens[path[-1]]])
     torch.testing.assert_close(parallel, sequential, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("mode", ["sequential", "parallel", "flex"])
+def test_a_clean_bonus_drafts_after_verification_only_and_stays_lossless(tiny_llama, mode):
+    """With bonus=clean a group's first slot is the verified bonus token: it drafts only after
+    verification (no budget mode makes it draft inside), its drafts depend on the bonus, and
+    decoding stays lossless."""
+    prompts = random_prompts(4, seed=11)
+    target, expected = with_eos_mid_output(tiny_llama, prompts, 20)
+    drafter = random_flexdraft(target, threshold=0.0, bonus="clean")
+    assert drafter.parallel_tokens([TREE]) == (0, 0)
+    cache = committed_cache(target, list(range(400, 420)))
+    first, second = (drafter.draft_after_prefix(cache, [0], [root])[0] for root in (7, 8))
+    assert not torch.allclose(first, second)  # the bonus is read
+    masked = random_flexdraft(target, threshold=0.0)
+    assert torch.equal(*(masked.draft_after_prefix(cache, [0], [root])[0] for root in (7, 8)))  # the paper's layout does not
+    budget = budget_with(target, 4, synthetic_latency(target, parallel_cheaper=True), mode=mode)
+    d = generate(target, prompts, drafter=drafter, policy=best_first, budget=budget, max_new_tokens=20)
+    for p, exp, gen in zip(prompts, expected, d.generations):
+        assert_same_tokens(target, p, exp, gen.tokens, f"bonus=clean {mode}")
+    with pytest.raises(ValueError, match="drafter.bonus must be one of mask, clean"):
+        random_flexdraft(target, bonus="both")
 
 
 def test_selective_verification():

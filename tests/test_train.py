@@ -155,7 +155,7 @@ def test_followups_continue_the_chat_conversations_the_target_answered(smollm2, 
 
 
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "autocast"])
-@pytest.mark.parametrize("kind", ["dflash", "eagle3", "flexdraft"])
+@pytest.mark.parametrize("kind", ["dflash", "eagle3", "flexdraft", "flexdraft-clean-bonus"])
 def test_training_learns_and_resumes(tiny, data, kind, autocast, tmp_path):
     examples, val_examples = split_examples(to_examples(data[1]), 0.34)
     assert len(examples) == 4 and len(val_examples) == 2
@@ -167,7 +167,8 @@ def test_training_learns_and_resumes(tiny, data, kind, autocast, tmp_path):
         drafter, columns = new_eagle3_drafter(tiny, (0, 1), examples, 300)
         train, kw = partial(train_eagle3, columns=columns), dict(seqs_per_step=2, lr=3e-3, ttt_steps=3)
     else:
-        drafter = FlexDraftDrafter(tiny, tuned_layers=1, group_size=4, calibration_hidden=16, mask_token_id=16, draft_vocab_size=400)
+        drafter = FlexDraftDrafter(tiny, tuned_layers=1, group_size=4, calibration_hidden=16, mask_token_id=16, draft_vocab_size=400,
+                                   bonus="clean" if kind.endswith("clean-bonus") else "mask")
         drafter, train = with_draft_vocab(drafter, examples, 400), train_flexdraft  # labels outside it carry no loss
         kw = dict(seqs_per_step=2, anchors=8, lr=3e-3, lr_tuned=1e-3)
     kw["autocast"] = autocast

@@ -6,7 +6,8 @@ everywhere else, and always for clean tokens, the target's own weights run. Mask
 the clean prefix (the target's KV cache) and, bidirectionally, their own group, never another
 group; their K/V are scratch and never enter the cache. The first mask sits where the bonus
 token goes (still unknown when drafting in parallel with verification); masks 2..G predict
-the K = G - 1 tokens after it. A bonus-guided calibration MLP on [embedding of the bonus the
+the K = G - 1 tokens after it. With `bonus=clean` that first slot is the bonus token itself,
+known once verification has ended: such a drafter drafts after verification only. A bonus-guided calibration MLP on [embedding of the bonus the
 verifier produced, mask hidden state] adds a bias to those logits, steering drafts made before
 the bonus was known towards it. Trained on math and code answers, the MLP can steer the wrong
 way on other text; `calibration=auto` keeps it only while it measurably helps: every drafted
@@ -40,12 +41,13 @@ from bastion.tree.proposal import BlockProposal, matched_prefix, top_candidates
 
 CALIBRATION = ("on", "off", "auto")
 SELECTIONS = ("min_confidence", "cumulative_product")
+BONUS = ("mask", "clean")
 
 
 class FlexDraftDrafter(nn.Module, DraftVocabulary, Drafter):
     def __init__(self, target: Target, tuned_layers: int = 4, group_size: int = 8, calibration_hidden: int = 256,
                  selection: str = "min_confidence", threshold: float = 0.1, top_k: int = 8,
-                 mask_token_id: int | None = None, draft_vocab_size: int | None = None):
+                 mask_token_id: int | None = None, draft_vocab_size: int | None = None, bonus: str = "mask"):
         super().__init__()
         args = target.args
         if not 1 <= tuned_layers <= args.n_layers:
@@ -54,6 +56,9 @@ class FlexDraftDrafter(nn.Module, DraftVocabulary, Drafter):
             raise ValueError(f"drafter.group_size must be at least 2 (the bonus slot plus one draft; got {group_size}).")
         if selection not in SELECTIONS:
             raise ValueError(f"drafter.selection must be one of {', '.join(SELECTIONS)} (got {selection}).")
+        if bonus not in BONUS:
+            raise ValueError(f"drafter.bonus must be one of {', '.join(BONUS)} (got {bonus}).")
+        self.bonus = bonus  # the group's first slot: a mask where the bonus goes (the paper's), or the bonus token itself
         self.target = target  # a plain dataclass: frozen weights, not registered here
         self.first_tuned = args.n_layers - tuned_layers
         self.group_size, self.top_k = group_size, top_k
@@ -74,7 +79,7 @@ class FlexDraftDrafter(nn.Module, DraftVocabulary, Drafter):
         nn.init.zeros_(self.calibration[2].bias)
         self.config = {"architectures": ["FlexDraftDrafter"], "target": target.name, "num_target_layers": args.n_layers,
                        "hidden_size": args.hidden_size, "vocab_size": args.vocab_size, "tuned_layers": tuned_layers,
-                       "group_size": group_size, "calibration_hidden": calibration_hidden,
+                       "group_size": group_size, "calibration_hidden": calibration_hidden, "bonus": bonus,
                        **({"draft_vocab_size": draft_vocab_size} if draft_vocab_size else {})}
         self._pending: dict[int, torch.Tensor] = {}  # row -> hidden of the group drafted for its accepted node
         self._groups = None  # (kept nodes, their groups' hidden states) of a parallel verification
@@ -155,7 +160,10 @@ class FlexDraftDrafter(nn.Module, DraftVocabulary, Drafter):
 
     def parallel_tokens(self, trees: list[DraftTree]) -> tuple[int, int]:
         """Drafting inside the verification forward adds the kept nodes' groups; after it, a
-        forward of one group."""
+        forward of one group. A group that reads the bonus token drafts only after it, once
+        the bonus is known: (0, 0)."""
+        if self.bonus == "clean":
+            return 0, 0
         return max(len(self.selected_nodes(t)) for t in trees) * self.group_size, self.group_size
 
     @torch.inference_mode()
@@ -166,7 +174,7 @@ class FlexDraftDrafter(nn.Module, DraftVocabulary, Drafter):
         hidden = [self._pending.get(b) for b in range(B)]
         missing = [b for b in range(B) if hidden[b] is None]
         if missing:  # sequential drafting (or a parallel group that selective verification pruned)
-            drafted = self.draft_after_prefix(ctx.cache, missing)
+            drafted = self.draft_after_prefix(ctx.cache, missing, roots)
             for b, h in zip(missing, drafted):
                 hidden[b] = h
         self._pending = {}
@@ -177,15 +185,27 @@ class FlexDraftDrafter(nn.Module, DraftVocabulary, Drafter):
             self._lengths, self._race = [len(s) for s in ctx.sequences], (plain.argmax(-1), calibrated.argmax(-1))
         return top_candidates(calibrated if self.uses_mlp() else plain, roots, self.top_k)
 
-    def draft_after_prefix(self, cache: KVCache, rows: list[int]) -> list[torch.Tensor]:
-        """One group per row in `rows`, right after its verified prefix: [G, h] each."""
+    def draft_after_prefix(self, cache: KVCache, rows: list[int], roots: list[int]) -> list[torch.Tensor]:
+        """One group per row in `rows`, right after its verified prefix (its first slot the root,
+        the bonus the last verification produced, where `bonus` is clean): [G, h] each."""
         B, G = len(cache.lengths), self.group_size
         device = self.mask_embedding.device
         tree_mask = torch.ones(B, G, G, dtype=torch.bool, device=device)
         write_pos, mask = cache.prepare(G, tree_mask)
-        x = self.mask_embedding.expand(B, G, -1)
-        hidden = self.run_layers(x, write_pos, mask, None, lambda i: _writer(cache, i, write_pos, mask))
+        x, is_mask = self.group_inputs(torch.tensor(roots, device=device))
+        hidden = self.run_layers(x, write_pos, mask, is_mask, lambda i: _writer(cache, i, write_pos, mask))
         return [hidden[b] for b in rows]
+
+    def group_inputs(self, bonus: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Groups' inputs [..., G, h] and which slots are masks [..., G, 1] (None: all of them),
+        for bonus tokens [...]: mask embeddings, the first slot the bonus's embedding where
+        `bonus` is clean. Shared by drafting and training."""
+        x = self.mask_embedding.expand(*bonus.shape, self.group_size, -1)
+        if self.bonus == "mask":
+            return x, None
+        first = (torch.arange(self.group_size, device=bonus.device) == 0)[:, None]  # [G, 1]
+        x = torch.where(first, self.target.model.embed_tokens(bonus)[..., None, :].to(x.dtype), x)
+        return x, ~first.expand(*bonus.shape, self.group_size, 1)
 
     def verify_forward(self, target, cache: KVCache, trees: list[DraftTree], tokens, depths, tree_mask, capture,
                        parallel: bool = False):
@@ -273,7 +293,7 @@ def _writer(cache: KVCache, layer: int, write_pos, mask):
 
 
 def load_flexdraft(target: Target, checkpoint: str | None, selection: str = "min_confidence", threshold: float = 0.1,
-                   top_k: int = 8, calibration: bool | str = True) -> FlexDraftDrafter:
+                   top_k: int = 8, calibration: bool | str = True, bonus: str | None = None) -> FlexDraftDrafter:
     config, state = read_checkpoint(checkpoint, "flexdraft", target.name)
     a = target.args
     if (config["num_target_layers"], config["hidden_size"], config["vocab_size"]) != (a.n_layers, a.hidden_size, a.vocab_size):
@@ -282,7 +302,8 @@ def load_flexdraft(target: Target, checkpoint: str | None, selection: str = "min
             f"{config['hidden_size']}, vocab {config['vocab_size']}); target {target.name} has {a.n_layers}, {a.hidden_size}, {a.vocab_size}."
         )
     drafter = FlexDraftDrafter(target, config["tuned_layers"], config["group_size"], config["calibration_hidden"],
-                               selection, threshold, top_k, draft_vocab_size=config.get("draft_vocab_size"))
+                               selection, threshold, top_k, draft_vocab_size=config.get("draft_vocab_size"),
+                               bonus=bonus or config.get("bonus", "mask"))  # by default the layout it was trained with
     drafter.load_state_dict(state)
     drafter.calibration_mode = {True: "on", False: "off"}.get(calibration, calibration)
     if drafter.calibration_mode not in CALIBRATION:

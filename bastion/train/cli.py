@@ -72,7 +72,8 @@ def train(cfg: DictConfig) -> None:
         log = train_eagle3(drafter, examples, state, **optim, columns=columns, seed=cfg.seed, val_examples=val_examples, on_log=on_log)
     else:
         drafter = FlexDraftDrafter(target, recipe.tuned_layers, recipe.group_size, recipe.calibration_hidden,
-                                   mask_token_id=mask_token(cfg, target), draft_vocab_size=recipe.draft_vocab).to(target.device)
+                                   mask_token_id=mask_token(cfg, target), draft_vocab_size=recipe.draft_vocab,
+                                   bonus=recipe.bonus).to(target.device)
         with_draft_vocab(drafter, examples, recipe.draft_vocab)
         log = train_flexdraft(drafter, examples, state, **optim, seed=cfg.seed, val_examples=val_examples, on_log=on_log)
     drafter.save(out, getattr(torch, recipe.save_dtype))

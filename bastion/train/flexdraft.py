@@ -37,7 +37,8 @@ def group_loss(drafter: FlexDraftDrafter, batch, gamma: float, to_draft: torch.T
     sees_group = (block[:, None] == block[None, :]).expand(B, M * G, M * G)
     attn_mask = torch.cat([sees_clean, sees_group], dim=-1)[:, None]
     positions = (anchors[:, :, None] + torch.arange(G)).view(B, M * G)
-    x = drafter.mask_embedding.expand(B, M * G, -1)
+    x, is_mask = drafter.group_inputs(tokens.gather(1, anchors))  # [B, M, G, h]: the bonus is the anchor's token
+    x, is_mask = x.flatten(1, 2), None if is_mask is None else is_mask.flatten(1, 2)
 
     def with_clean(i):
         return lambda k, v: (torch.cat([cache.k[i, :, :, :S], k], 2), torch.cat([cache.v[i, :, :, :S], v], 2))
@@ -46,9 +47,9 @@ def group_loss(drafter: FlexDraftDrafter, batch, gamma: float, to_draft: torch.T
     below = range(0 if drafter.mask_embedding.requires_grad else drafter.first_tuned)
     if below:
         with torch.no_grad():
-            x = drafter.run_layers(x, positions, attn_mask, None, with_clean, below)
+            x = drafter.run_layers(x, positions, attn_mask, is_mask, with_clean, below)
     above = range(below.stop, len(target.model.layers))
-    hidden = drafter.run_layers(x, positions, attn_mask, None, with_clean, above).view(B, M, G, -1)
+    hidden = drafter.run_layers(x, positions, attn_mask, is_mask, with_clean, above).view(B, M, G, -1)
     drafts = hidden[:, :, 1:]  # [B, M, G-1, h]
     base = F.linear(drafts.flatten(0, 2), drafter.head_weight()).float()  # [B*M*(G-1), V']: a 2-D matmul
     bonus = target.model.embed_tokens(tokens.gather(1, anchors))[:, :, None, :].expand_as(drafts)
