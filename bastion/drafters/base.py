@@ -105,8 +105,12 @@ class DraftVocabulary:
 
     def to_draft_ids(self) -> torch.Tensor | None:
         """[V] target id -> draft id (-1 outside the draft vocabulary), on the host; None without one."""
-        if self.draft_vocab is None:
-            return None
-        to_draft = torch.full((self.target.args.vocab_size,), -1, dtype=torch.long)
-        to_draft[self.draft_vocab.cpu()] = torch.arange(len(self.draft_vocab))
-        return to_draft
+        return None if self.draft_vocab is None else draft_ids(self.draft_vocab, self.target.args.vocab_size)
+
+
+def draft_ids(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """A draft vocabulary's target token ids [V'] -> the map [V] from target id to draft id
+    (-1 outside it), on the host: what training turns its labels into."""
+    to_draft = torch.full((vocab_size,), -1, dtype=torch.long)
+    to_draft[token_ids.cpu()] = torch.arange(len(token_ids))
+    return to_draft

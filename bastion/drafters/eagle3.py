@@ -111,7 +111,8 @@ class Eagle3Drafter(nn.Module, Drafter):
         logq, ranks = [logp.new_zeros(B, 1), logp[:, 0]], [every.new_zeros(B, 1), every.expand(B, k)]
         beam, beam_logq, n_candidates = 1 + every.expand(B, k), logp[:, 0], 1 + k  # [B, k]: the leaves to grow, as candidate ids
         beam_tokens, beam_feature = ids[:, 0], last[:, None].expand(B, k, h)
-        sees = torch.eye(k, dtype=torch.bool, device=device).expand(B, k, k)  # [B, k, E]: tree entries each leaf sees
+        itself = torch.eye(k, dtype=torch.bool, device=device).expand(B, k, k)  # each leaf's own new entry
+        sees = itself  # [B, k, E]: tree entries each leaf sees
         for step in range(1, self.depth):
             E = step * k  # tree entries once this step's are written
             write_pos = lengths[:, None] + (E - k) + every  # [B, k]
@@ -132,7 +133,7 @@ class Eagle3Drafter(nn.Module, Drafter):
             beam, beam_logq, n_candidates = n_candidates + top.indices, top.values, n_candidates + k * k
             beam_tokens = ids.flatten(1).gather(1, top.indices)
             beam_feature = out.gather(1, slot[..., None].expand(-1, -1, h))
-            sees = torch.cat([sees.gather(1, slot[..., None].expand(-1, -1, E)), torch.eye(k, dtype=torch.bool, device=device).expand(B, k, k)], 2)
+            sees = torch.cat([sees.gather(1, slot[..., None].expand(-1, -1, E)), itself], 2)
         return TreeProposal(roots, torch.cat(tokens, 1), torch.cat(parents, 1), torch.cat(logq, 1), torch.cat(ranks, 1), self.depth)
 
     def _append_context(self, ctx: DraftContext) -> torch.Tensor:

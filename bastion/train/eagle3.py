@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from bastion.drafters.base import draft_ids
 from bastion.drafters.eagle3 import Eagle3Drafter
 from bastion.train.examples import Example, fixed_batches
 from bastion.train.loop import train_loop
@@ -60,9 +61,7 @@ def train_eagle3(drafter: Eagle3Drafter, examples: list[Example], state_path: Pa
                  val_examples: list[Example] = (), **loop) -> list[dict]:
     """Optimise the drafter's own weights; `columns` picks its three layers' features out of the
     recorded ones."""
-    to_draft = torch.full((drafter.target.args.vocab_size,), -1, dtype=torch.long)  # target id -> draft id, -1 outside
-    draft_ids = torch.arange(len(drafter.d2t))
-    to_draft[draft_ids + drafter.d2t.cpu()] = draft_ids
+    to_draft = draft_ids(torch.arange(len(drafter.d2t)) + drafter.d2t.cpu(), drafter.target.args.vocab_size)  # built once
     return train_loop(
         drafter, [{"params": [p for p in drafter.parameters() if p.requires_grad], "lr": lr}],
         lambda gen: sample_sequences(examples, seqs_per_step, columns, gen),
