@@ -81,6 +81,44 @@ def test_kv_bytes_are_what_the_engine_allocates(tiny_qwen3, monkeypatch):
     assert allocated == [plan.kv_cache]
 
 
+class WideDrafter(NgramDrafter):
+    def extra_tokens(self, max_nodes: int) -> int:
+        return 3 * (max_nodes + 1)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_kv_bytes_count_a_drafters_extra_tokens_and_compiled_buckets(tiny_qwen3, compiled, monkeypatch):
+    target = dataclasses.replace(tiny_qwen3, compiled=object() if compiled else None)  # only its shapes are used
+
+    def recording(batch, capacity):
+        raise StopIteration(capacity)
+
+    monkeypatch.setattr(target, "new_cache", recording)
+    with pytest.raises(StopIteration) as allocated:
+        generate(target, [[5, 6, 7] * 100], drafter=WideDrafter(), policy=chain, budget=FixedBudget(5), max_new_tokens=6)
+    plan = plan_memory(target.args, target.dtype, 1, 300, 6, 5, "sdpa", extra_tokens=18, compiled=compiled)
+    a = target.args
+    assert 2 * a.n_layers * a.n_kv_heads * allocated.value.value * a.head_dim * 8 == plan.kv_cache
+    assert allocated.value.value == (512 if compiled else 300 + 6 + 6 + 18)  # compiled: the prompt's bucket
+
+
+def test_a_flexdraft_plan_counts_its_mask_groups():
+    from hydra import compose, initialize_config_dir
+
+    from bastion.bench.plan import drafter_checkpoints, memory_plan
+    from bastion.compose import plan_methods
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=["target=smollm2_135m", "drafter=flexdraft", "budget=fixed", "budget.nodes=16"])
+    drafters, absent = drafter_checkpoints([p for p in plan_methods(cfg) if p.node is not None])
+    assert [(name, path.resolve()) for name, path in drafters] == [("flexdraft", ROOT / "checkpoints" / "flexdraft_smollm2_135m")]
+    assert absent == []
+    plan, plain = memory_plan(cfg, 16, drafters, cuda=True), memory_plan(cfg, 16, [], cuda=True)
+    fixed = cfg.plan_context + cfg.decode.max_new_tokens
+    assert plan.kv_cache * (fixed + 17) == plain.kv_cache * (fixed + 17 + 17 * 8)  # 17 mask groups of 8 (its config.json)
+    assert plan.drafter_weights > 0
+
+
 def test_a_plan_over_the_memory_names_its_largest_part():
     args = model_args(shape("llama31_8b"))
     plan = plan_memory(args, torch.float32, 1, 1024, 128, 16, "flex")

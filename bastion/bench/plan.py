@@ -10,6 +10,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from bastion.compose import MethodPlan, local_dir
+from bastion.drafters.flexdraft import mask_slots
 from bastion.files import read_json
 from bastion.models.attention import choose_kernel
 from bastion.models.memory import GB, HEADROOM, MemoryPlan, check_fits, checkpoint_parameters, model_args, plan_memory
@@ -21,8 +22,8 @@ logger = logging.getLogger(__name__)
 def print_plan(cfg: DictConfig, drafting: list[MethodPlan], max_nodes: int) -> None:
     """plan=true: the run's memory plan, then whether it fits the GPU; nothing loads."""
     memory, device = device_memory(cfg)
-    params, absent = drafter_parameters(drafting)
-    plan = memory_plan(cfg, max_nodes, params, cuda=memory is not None)
+    on_disk, absent = drafter_checkpoints(drafting)
+    plan = memory_plan(cfg, max_nodes, on_disk, cuda=memory is not None)
     if plan is None:
         raise ValueError(f"Target {cfg.target.name} has no shape to plan from: add a `shape:` block (its config.json fields) "
                          f"to conf/target/{cfg.target.name}.yaml, or set target.source to a local model directory.")
@@ -43,7 +44,7 @@ def check_memory(cfg: DictConfig, drafting: list[MethodPlan], max_nodes: int) ->
     """Refuse in one sentence a run whose memory plan does not fit its GPU. A run on a CPU, or
     whose target's shape is not known before its weights download, is not checked."""
     memory, device = device_memory(cfg)
-    if memory is not None and (plan := memory_plan(cfg, max_nodes, drafter_parameters(drafting)[0], cuda=True)):
+    if memory is not None and (plan := memory_plan(cfg, max_nodes, drafter_checkpoints(drafting)[0], cuda=True)):
         check_fits(plan, memory, device)
 
 
@@ -57,9 +58,10 @@ def device_memory(cfg: DictConfig) -> tuple[int | None, str]:
     return (int(gb * GB), cfg.gpu.name) if gb else (None, cfg.device)
 
 
-def memory_plan(cfg: DictConfig, max_nodes: int, drafter_params: int, cuda: bool) -> MemoryPlan | None:
-    """The run's memory plan (models/memory.py) from its config alone; None when the target's
-    shape is not known before its weights download."""
+def memory_plan(cfg: DictConfig, max_nodes: int, drafters: list[tuple[str, Path]], cuda: bool) -> MemoryPlan | None:
+    """The run's memory plan (models/memory.py) from its config and the drafter checkpoints on
+    disk ((drafter name, directory) each) alone; None when the target's shape is not known
+    before its weights download."""
     target = cfg.target
     dtype = dtype_named(target.dtype)
     local = Path(target.source).expanduser() / "config.json"
@@ -73,18 +75,26 @@ def memory_plan(cfg: DictConfig, max_nodes: int, drafter_params: int, cuda: bool
         return None
     kernel = choose_kernel(cfg.get("attention", "auto"), "cuda" if cuda else "cpu")
     d = cfg.decode
-    return plan_memory(model_args(shape), dtype, d.batch_size, cfg.plan_context, d.max_new_tokens, max_nodes,
-                       kernel, drafter_params, cuda=cuda, sampled=d.temperature > 0)
+    return plan_memory(model_args(shape), dtype, d.batch_size, cfg.plan_context, d.max_new_tokens, max_nodes, kernel,
+                       sum(checkpoint_parameters(path) for _, path in drafters), extra_tokens(drafters, max_nodes),
+                       cuda=cuda, sampled=d.temperature > 0, compiled=d.get("compile", False))
 
 
-def drafter_parameters(drafting: list[MethodPlan]) -> tuple[int, list[str]]:
-    """Parameters of the run's drafter checkpoints that are on disk (read from their headers),
-    and the checkpoints that are not yet (Hub ids, counted once downloaded)."""
-    total, absent = 0, []
-    for checkpoint in dict.fromkeys(p.node.drafter.checkpoint for p in drafting if p.node.drafter.get("checkpoint")):
-        path = local_dir(checkpoint)
+def drafter_checkpoints(drafting: list[MethodPlan]) -> tuple[list[tuple[str, Path]], list[str]]:
+    """The run's drafter checkpoints that are on disk, as (drafter name, directory), and those
+    that are not yet (Hub ids, counted once downloaded)."""
+    on_disk, absent = {}, []
+    for drafter in (p.node.drafter for p in drafting if p.node.drafter.get("checkpoint")):
+        path = local_dir(drafter.checkpoint)
         if path is None or not (path / "config.json").is_file():
-            absent.append(checkpoint)
+            absent.append(drafter.checkpoint)
         else:
-            total += checkpoint_parameters(path)
-    return total, absent
+            on_disk[path] = drafter.name
+    return [(name, path) for path, name in on_disk.items()], list(dict.fromkeys(absent))
+
+
+def extra_tokens(drafters: list[tuple[str, Path]], max_nodes: int) -> int:
+    """Cache slots a verification forward may use beyond its tree (Drafter.extra_tokens), read
+    from the checkpoints' configs: FlexDraft's mask groups."""
+    return max((mask_slots(read_json(path / "config.json", "train or download it again")["group_size"], max_nodes)
+                for name, path in drafters if name == "flexdraft"), default=0)

@@ -155,8 +155,7 @@ class FlexDraftDrafter(nn.Module, DraftVocabulary, Drafter):
         self._lengths = self._race = None
 
     def extra_tokens(self, max_nodes: int) -> int:
-        """Cache slots a forward may need beyond the tree: the mask groups."""
-        return (max_nodes + 1) * self.group_size
+        return mask_slots(self.group_size, max_nodes)
 
     def parallel_tokens(self, trees: list[DraftTree]) -> tuple[int, int]:
         """Drafting inside the verification forward adds the kept nodes' groups; after it, a
@@ -290,6 +289,12 @@ def _per_token(is_mask, project, tuned, attn, heads: bool) -> tuple[torch.Tensor
 
 def _writer(cache: KVCache, layer: int, write_pos, mask):
     return lambda k, v: cache.write(layer, k, v, write_pos, mask.n_keys)
+
+
+def mask_slots(group_size: int, max_nodes: int) -> int:
+    """Cache slots a verification forward may need beyond its tree: the mask groups of every
+    node and the root (drafting inside it). The memory plan counts them before any loading."""
+    return (max_nodes + 1) * group_size
 
 
 def load_flexdraft(target: Target, checkpoint: str | None, selection: str = "min_confidence", threshold: float = 0.1,

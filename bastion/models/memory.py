@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from bastion.models.target import ARGMAX_CHUNK
+from bastion.models.target import ARGMAX_CHUNK, token_bucket
 from bastion.models.transformer import ModelArgs
 
 HEADROOM = 0.9  # the share of device memory a plan may fill; the rest is for what it leaves out
@@ -107,18 +107,19 @@ def checkpoint_parameters(path: Path) -> int:
 
 def plan_memory(args: ModelArgs, dtype: torch.dtype, batch: int, context: int, max_new_tokens: int, max_nodes: int,
                 kernel: str, drafter_params: int = 0, extra_tokens: int = 0, cuda: bool = True,
-                sampled: bool = False) -> MemoryPlan:
+                sampled: bool = False, compiled: bool = False) -> MemoryPlan:
     """The peak of decoding `batch` prompts of `context` tokens for `max_new_tokens` with trees of
     up to `max_nodes` draft nodes (0: AR only) under the attention `kernel`, weights in `dtype`.
     `extra_tokens`: cache slots a verify forward uses beyond its tree (Drafter.extra_tokens);
     `sampled`: temperature > 0, where verification reads every node's float32 logits (greedy
-    verification takes Target.argmax's chunks of them instead)."""
+    verification takes Target.argmax's chunks of them instead); `compiled`: decode.compile,
+    whose forwards run their token count's bucket (Target.padded)."""
     B, L, V, I = batch, args.n_layers, args.vocab_size, args.intermediate_size
     size = dtype.itemsize
     n_params = parameter_count(args)
-    capacity = context + max_new_tokens + max_nodes + 1 + extra_tokens  # engine.generate's KV capacity
     n = max_nodes + 1  # a verify forward's tokens per row: the tree and its root
-    n_forward = n + extra_tokens  # what it runs, a drafter's extra tokens included
+    n_forward = token_bucket(n + extra_tokens) if compiled else n + extra_tokens  # what it runs, a drafter's extra tokens included
+    capacity = max(context + max_new_tokens + n_forward, token_bucket(context) if compiled else 0)  # engine.generate's KV capacity
     if sampled:  # Target.logits: the lm_head's output, then its float32 copy
         logit_tokens, logit_size = n, size + 4 if size < 4 else size
     else:  # Target.argmax: a chunk of tokens at a time, in the model's dtype

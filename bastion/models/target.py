@@ -35,6 +35,7 @@ class Target:
     chat_args: dict = field(default_factory=dict)  # the chat template's keyword arguments (Qwen3: enable_thinking)
     attention: str = "sdpa"  # the attention kernel of its forwards (models/attention.py)
     compiled: object | None = None  # decode.compile: the captured forward (compile_forward), else None
+    compiled_shapes: set = field(default_factory=set)  # the shapes its captured forward has run (each compiled once)
 
     @property
     def args(self) -> ModelArgs:
@@ -73,12 +74,14 @@ class Target:
                 tree_mask = padded
         write_pos, layout = cache.prepare(width, tree_mask, key_bucket=1 if self.compiled is None else KEY_BUCKET)
         forward = self.model if self.compiled is None else self.compiled
+        if self.compiled is not None:
+            self.compiled_shapes.add((len(tokens), width, layout.n_keys, tree_mask is None, capture))
         hidden, features = forward(tokens, layout.prefix[:, None] + depths, layout, cache, write_pos, capture)
         return hidden[:, :n], None if features is None else features[:, :n]
 
     def padded(self, n: int) -> int:
         """The tokens a forward of n runs: n, or its bucket when compiled."""
-        return n if self.compiled is None else 1 << (n - 1).bit_length()
+        return n if self.compiled is None else token_bucket(n)
 
     @torch.inference_mode()
     def score(self, sequence: list[int]) -> torch.Tensor:
@@ -107,6 +110,11 @@ class Target:
         return torch.cat([self.model.lm_head(part).argmax(-1) for part in hidden.split(step, dim=1)], dim=1)
 
 
+def token_bucket(n: int) -> int:
+    """The tokens a compiled forward of n runs: the next power of two, so a decode compiles few shapes."""
+    return 1 << (n - 1).bit_length()
+
+
 def dtype_named(name: str) -> torch.dtype:
     if name not in DTYPES:
         raise ValueError(f"Unknown dtype '{name}'; choose one of {', '.join(DTYPES)}.")
@@ -120,7 +128,7 @@ def compile_forward(target: Target) -> Target:
     cache in place, and torch replays graphs only over inputs at fixed addresses, which the
     cache's buffers are not once finished rows leave (KVCache.keep_rows)."""
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
-    return replace(target, compiled=torch.compile(target.model, dynamic=False))
+    return replace(target, compiled=torch.compile(target.model, dynamic=False), compiled_shapes=set())
 
 
 def load_target(
