@@ -118,6 +118,52 @@ def test_best_first_is_optimal_for_every_size(seed, K, k):
         assert full.truncate(n).tokens == tree.tokens and full.truncate(n).parents == tree.parents
 
 
+def heap_best_first(logprobs: list[list[float]], n: int) -> list[tuple[int, ...]]:
+    """The reference: pop the likeliest open rank path, open its children (a child never beats
+    its parent), n times."""
+    import heapq
+
+    K, k = len(logprobs), len(logprobs[0])
+    open_, taken = [(-logprobs[0][r], (r,)) for r in range(k)], []
+    heapq.heapify(open_)
+    while open_ and len(taken) < n:
+        score, path = heapq.heappop(open_)
+        taken.append(path)
+        for r in range(k if len(path) < K else 0):
+            heapq.heappush(open_, (score - logprobs[len(path)][r], (*path, r)))
+    return taken
+
+
+@pytest.mark.parametrize("n", [1, 17, 100, 256])
+def test_best_first_of_a_batch_equals_a_heap_search(n):
+    gen = torch.Generator().manual_seed(n)
+    B, K, k = 3, 12, 10
+    logprobs = torch.log_softmax(2 * torch.randn(B, K, 4 * k, generator=gen), -1).sort(-1, descending=True).values[..., :k]
+    tokens = torch.rand(B, K, 1000, generator=gen).argsort(-1)[..., :k]  # distinct per position: a token names its rank
+    trees = best_first(BlockProposal([1, 2, 3], tokens, logprobs), n)
+    for b, tree in enumerate(trees):
+        paths = heap_best_first(logprobs[b].tolist(), n)
+        assert tree.n_nodes == n and tree.tokens[0] == b + 1
+        # node i's path of ranks, from its parent's: the same nodes in the same order, tokens and scores
+        ranks = [()]
+        for i in range(1, n + 1):
+            depth = len(ranks[tree.parents[i]])
+            ranks.append((*ranks[tree.parents[i]], int((tokens[b, depth] == tree.tokens[i]).nonzero()[0])))
+        assert ranks[1:] == paths
+        assert tree.logq[1:] == pytest.approx([sum(logprobs[b, d, r].item() for d, r in enumerate(p)) for p in paths], abs=1e-5)
+
+
+def test_best_first_lists_certain_children_after_their_parents():
+    p = proposal([[1.0, 0.0, 0.0], [1.0, 0.0, 0.0], [0.5, 0.5, 0.0], [1.0, 0.0, 0.0]])  # ties of every kind
+    for n in range(1, 9):
+        (tree,) = best_first(p, n)  # DraftTree checks every parent comes first
+        assert tree.n_nodes == min(n, 6)
+        assert tree.tokens[:3] == (7, 0, 100)[: n + 1] and set(tree.tokens[3:5]) <= {200, 201}  # either of the tied two
+        assert len(set(tree.tokens[3:5])) == len(tree.tokens[3:5])
+        assert tree.tokens[5:] == (300, 300)[: max(n - 4, 0)]
+        assert tree.expected_accepted() == pytest.approx([1, 2, 2.5, 3, 3.5, 4][min(n, 6) - 1])
+
+
 def test_best_first_skips_missing_candidates():
     p = proposal([[1.0, 0.0], [0.5, 0.0]])
     (tree,) = best_first(p, 10)
