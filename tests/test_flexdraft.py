@@ -245,3 +245,32 @@ def test_lossless_with_every_calibration(tiny_llama, calibration, draft_vocab):
         assert_same_tokens(target, p, exp, gen.tokens, f"calibration {calibration}")
     assert sum(drafter.mlp_wins) > 1 or calibration != "auto" or draft_vocab  # the race was scored (a narrower head ties more)
     assert sum(sum(s.produced) - len(s.produced) for s in d.steps) > 0  # drafts were accepted
+
+
+@pytest.mark.slow
+def test_chain_aal_walks_the_steps_sequential_chain_decoding_takes(smollm2_packed):
+    """val_chain_aal (with the calibration MLP and without): walking the drafter's groups along
+    the target's greedy answers takes as many steps as sequential chain decoding does
+    (SmolLM2 and the committed drafter), as for DFlash (tests/test_dflash.py)."""
+    from bastion.bench.datasets import chat_tokens
+    from bastion.train.data import file_prompts
+    from bastion.train.examples import Example
+    from bastion.train.flexdraft import chain_aal
+    from tests.conftest import ROOT
+
+    target = smollm2_packed
+    drafter = load_flexdraft(target, str(ROOT / "checkpoints" / "flexdraft_smollm2_135m"))
+    prompts = [chat_tokens(target, messages) for _, messages in file_prompts("gsm8k", 3, seed=5)]
+    answers = [g.tokens for g in generate(target, prompts, max_new_tokens=48).generations]
+    examples = [Example(torch.tensor(p + a), torch.zeros(0), len(p)) for p, a in zip(prompts, answers)]  # features unused
+    walked = [chain_aal(drafter, [e]) for e in examples]
+    steps = {}
+    for calibration, name in (("on", "val_chain_aal"), ("off", "val_chain_aal_plain")):
+        drafter.calibration_mode = calibration
+        for prompt, answer, aal in zip(prompts, answers, walked):
+            decoding = generate(target, [prompt], drafter=drafter, policy=chain, budget=FixedBudget(drafter.group_size - 1),
+                                max_new_tokens=48)
+            assert decoding.generations[0].tokens == answer
+            assert aal[name] == round(sum(s.produced[0] for s in decoding.steps) / len(decoding.steps), 4)
+            steps[calibration] = steps.get(calibration, 0) + len(decoding.steps)
+    assert min(steps.values()) < sum(len(a) - 1 for a in answers)  # drafts are accepted: the walk is not trivial

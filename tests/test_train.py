@@ -176,6 +176,8 @@ def test_training_learns_and_resumes(tiny, data, kind, autocast, tmp_path):
     log = train(drafter, examples, state, steps=30, log_every=10, save_every=10, val_examples=val_examples, val_every=10, **kw)
     assert log[-1]["loss"] < log[0]["loss"]
     assert len(log[-1]["acc"]) == 3 and len(log[-1]["val_acc"]) == 3 and "val_loss" in log[0]
+    if kind != "eagle3":  # held-out chain AAL, walked
+        assert log[-1]["val_chain_aal"] >= 1 and (kind == "dflash") == ("val_chain_aal_plain" not in log[-1])
     # a rerun with more steps resumes at step 30 and keeps the log
     log = train(drafter, examples, state, steps=40, log_every=10, save_every=10, val_examples=val_examples, val_every=10, **kw)
     assert [r["step"] for r in log] == [10, 20, 30, 40]

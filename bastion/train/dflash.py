@@ -15,9 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from bastion.drafters.dflash import DFlashDrafter
-from bastion.train.examples import Example, fixed_batches, sample_anchors
+from bastion.train.examples import Example, chain_walk, fixed_batches, sample_anchors
 from bastion.train.loop import train_loop
-from bastion.tree.proposal import matched_prefix
 
 CHAIN_EXAMPLES = 24  # held-out answers walked for val_chain_aal at each validation (~2 s on a CPU)
 
@@ -116,12 +115,8 @@ def chain_aal(drafter: DFlashDrafter, examples: list[Example]) -> float:
         anchors = torch.arange(start, n - 1)[None]  # [1, M]: a block at every answer token with a successor
         features = F.pad(e.features.float(), (0, 0, 0, 1))[None]  # [1, n, F]: the last token's are never seen
         hidden = drafter.block_hidden(features, e.tokens[None], anchors)[0, :, 1:]  # [M, K-1, h]
-        drafts = drafter.logits(hidden).argmax(-1)  # [M, K-1]
-        at = start
-        while at < n - 1:
-            truth = e.tokens[at + 1 : at + drafter.block_size]
-            hits = matched_prefix(drafts[at - start], truth)
-            steps, produced, at = steps + 1, produced + hits + 1, at + hits + 1
+        walked = chain_walk(drafter.logits(hidden).argmax(-1), e.tokens, start)
+        steps, produced = steps + walked[0], produced + walked[1]
     return produced / max(steps, 1)
 
 

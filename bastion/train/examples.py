@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from bastion.tree.proposal import matched_prefix
+
 
 @dataclass
 class Example:
@@ -64,3 +66,16 @@ def fixed_batches(sample, n: int = 8, seed: int = 1234) -> list:
     """n batches drawn once with a fixed seed: the same validation data at every evaluation."""
     gen = torch.Generator().manual_seed(seed)
     return [sample(gen) for _ in range(n)]
+
+
+def chain_walk(drafts: torch.Tensor, tokens: torch.Tensor, start: int) -> tuple[int, int]:
+    """Chain decoding at temperature 0 over one example, whose answer is the target's own greedy
+    output, so decoding would reproduce it: drafts [M, K] holds the drafter's top-1 block rooted
+    at each answer position start..start+M-1, and each step's block is rooted where the last
+    one's acceptance stopped. Returns (steps, tokens produced)."""
+    steps = produced = 0
+    at = start
+    while at < len(tokens) - 1:
+        hits = matched_prefix(drafts[at - start], tokens[at + 1 : at + 1 + drafts.shape[1]])
+        steps, produced, at = steps + 1, produced + hits + 1, at + hits + 1
+    return steps, produced

@@ -16,15 +16,17 @@ import torch
 import torch.nn.functional as F
 
 from bastion.drafters.flexdraft import FlexDraftDrafter
-from bastion.train.examples import Example, fixed_batches, sample_anchors
+from bastion.train.examples import Example, chain_walk, fixed_batches, sample_anchors
 from bastion.train.loop import train_loop
 
 
-def group_loss(drafter: FlexDraftDrafter, batch, gamma: float, to_draft: torch.Tensor | None = None):
-    """Weighted CE of the drafts (masks 2..G) with and without calibration, over the draft
-    vocabulary when the drafter has one (`to_draft` maps target ids to draft ids, -1 outside
-    it, and those labels carry no loss); per-position hits (calibrated) and counts."""
-    _, tokens, anchors, anchor_ok, lengths = batch
+CHAIN_EXAMPLES = 6  # held-out answers walked for val_chain_aal: a group at every answer token through every target layer
+
+
+def group_hidden(drafter: FlexDraftDrafter, tokens: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+    """Final hidden states [B, M, G, h] of a mask group at each anchor [B, M] of tokens [B, S]:
+    the clean tokens run once through the frozen target, without gradient, and each group sees
+    the clean tokens before its anchor and itself."""
     target = drafter.target
     B, S = tokens.shape
     M, G = anchors.shape[1], drafter.group_size
@@ -49,8 +51,17 @@ def group_loss(drafter: FlexDraftDrafter, batch, gamma: float, to_draft: torch.T
         with torch.no_grad():
             x = drafter.run_layers(x, positions, attn_mask, is_mask, with_clean, below)
     above = range(below.stop, len(target.model.layers))
-    hidden = drafter.run_layers(x, positions, attn_mask, is_mask, with_clean, above).view(B, M, G, -1)
-    drafts = hidden[:, :, 1:]  # [B, M, G-1, h]
+    return drafter.run_layers(x, positions, attn_mask, is_mask, with_clean, above).view(B, M, G, -1)
+
+
+def group_loss(drafter: FlexDraftDrafter, batch, gamma: float, to_draft: torch.Tensor | None = None):
+    """Weighted CE of the drafts (masks 2..G) with and without calibration, over the draft
+    vocabulary when the drafter has one (`to_draft` maps target ids to draft ids, -1 outside
+    it, and those labels carry no loss); per-position hits (calibrated) and counts."""
+    _, tokens, anchors, anchor_ok, lengths = batch
+    target = drafter.target
+    S, G = tokens.shape[1], drafter.group_size
+    drafts = group_hidden(drafter, tokens, anchors)[:, :, 1:]  # [B, M, G-1, h]
     base = F.linear(drafts.flatten(0, 2), drafter.head_weight()).float()  # [B*M*(G-1), V']: a 2-D matmul
     bonus = target.model.embed_tokens(tokens.gather(1, anchors))[:, :, None, :].expand_as(drafts)
     calibrated = base + drafter.calibration(torch.cat([bonus, drafts], -1)).flatten(0, 2).float()
@@ -66,6 +77,26 @@ def group_loss(drafter: FlexDraftDrafter, batch, gamma: float, to_draft: torch.T
     loss = sum((F.cross_entropy(l, labels, reduction="none") * weights).sum() for l in (base, calibrated)) / weights.sum().clamp_min(1e-9)
     hits = ((calibrated.argmax(-1) == labels).view_as(label_ok) & scored).flatten(0, 1).sum(0)
     return loss, hits, label_ok.flatten(0, 1).sum(0)
+
+
+@torch.no_grad()
+def chain_aal(drafter: FlexDraftDrafter, examples: list[Example]) -> dict[str, float]:
+    """Sequential chain decoding's acceptance length at temperature 0 on these sequences, without
+    decoding (as train/dflash.py's chain_aal): a group at every answer token, walked. With the
+    calibration MLP's drafts (val_chain_aal) and without it (val_chain_aal_plain, the ablation)."""
+    walked = {"val_chain_aal": [0, 0], "val_chain_aal_plain": [0, 0]}
+    for e in examples:
+        n, start = len(e.tokens), e.answer_start
+        hidden = group_hidden(drafter, e.tokens[None], torch.arange(start, n - 1)[None])[0]  # [M, G, h]
+        plain, calibrated = drafter.draft_logits(hidden, e.tokens[start : n - 1])  # [M, G-1, V'] each
+        for name, logits in (("val_chain_aal", calibrated), ("val_chain_aal_plain", plain)):
+            if logits is None:  # calibration off
+                continue
+            ids = logits.argmax(-1)
+            steps, produced = chain_walk(ids if drafter.draft_vocab is None else drafter.draft_vocab[ids], e.tokens, start)
+            walked[name][0] += steps
+            walked[name][1] += produced
+    return {name: round(produced / steps, 4) for name, (steps, produced) in walked.items() if steps}
 
 
 def train_flexdraft(drafter: FlexDraftDrafter, examples: list[Example], state_path: Path, steps: int, lr: float = 1e-3,
@@ -84,5 +115,6 @@ def train_flexdraft(drafter: FlexDraftDrafter, examples: list[Example], state_pa
         lambda batch: group_loss(drafter, batch, gamma, to_draft),
         state_path, steps, desc="train flexdraft",
         val_batches=fixed_batches(lambda gen: sample_anchors(val_examples, seqs_per_step, anchors, gen)) if val_examples else None,
+        val_metrics=(lambda: chain_aal(drafter, val_examples[:CHAIN_EXAMPLES])) if val_examples else None,
         **loop,
     )
