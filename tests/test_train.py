@@ -26,6 +26,7 @@ from bastion.train.data import (
     chat_prompts,
     file_prompts,
     followup_prompts,
+    machine,
     source_counts,
     user_turn_prefix,
 )
@@ -279,6 +280,14 @@ def test_train_py_end_to_end(tmp_path):
     assert json.loads((tmp_path / "selfdistill" / "tiny_qwen3" / "meta.json").read_text())["dtype"] == "bfloat16"
     assert "bfloat16: true" in (tmp_path / "out" / "train_config.yaml").read_text()
     assert f"autocast: {str(fast_bfloat16('cpu')).lower()}" in (tmp_path / "out" / "train_config.yaml").read_text()
+    # and what making it took, on what machine: every shard was timed
+    times = json.loads((tmp_path / "out" / "train_time.json").read_text())
+    assert sorted(times["data"]) == ["gsm8k", "math"] and times["untimed_shards"] == 0  # 4 prompts: no MBPP one
+    assert all(t["shards"] == t["timed"] and t["minutes"] >= 0 for t in times["data"].values())
+    log = [json.loads(line) for line in (tmp_path / "out" / "train_log.jsonl").read_text().splitlines()]
+    assert times["training_minutes"] == pytest.approx(3 * log[-1]["s_per_step"] / 60, abs=0.005)  # one record of 3 steps
+    assert times["machines"] == [machine("cpu")] and "threads" in machine("cpu")
+    assert "time to make it: data" in result.stdout
     float32_data = subprocess.run([sys.executable, "train.py", *args[:-2], "data.bfloat16=false"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert "holds self-distillation data made with other settings" in float32_data.stderr
     tiny = load_target(**target_config("tiny_qwen3"))

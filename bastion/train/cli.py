@@ -26,7 +26,7 @@ from bastion.drafters.dflash import DFlashDrafter, evenly_spaced_layers, new_dfl
 from bastion.drafters.eagle3 import Eagle3Drafter, feature_layers, new_eagle3_config
 from bastion.drafters.flexdraft import FlexDraftDrafter
 from bastion.files import atomic_write_text, read_json
-from bastion.train.data import build_selfdistill, check_mix, source_counts, source_prompts
+from bastion.train.data import build_selfdistill, build_times, check_mix, machine, source_counts, source_prompts
 from bastion.train.dflash import most_frequent_tokens, train_dflash
 from bastion.train.examples import split_examples, to_examples
 from bastion.train.eagle3 import train_eagle3
@@ -79,8 +79,25 @@ def train(cfg: DictConfig) -> None:
     drafter.save(out, getattr(torch, recipe.save_dtype))
     atomic_write_text(out / "train_config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
     write_log(out / "train_log.jsonl", log)
+    times = time_summary(cfg, log)
+    atomic_write_text(out / "train_time.json", json.dumps(times, indent=1))
     wandb_logger.finish(wandb_run)
     logger.info("saved %s (%.1f min this run); last log: %s", out, (time.time() - started) / 60, json.dumps(log[-1]))
+    logger.info("time to make it: data %.1f min (%s), training %.1f min (%d steps), on %s", times["data_minutes"],
+                ", ".join(f"{k} {v['minutes']}" for k, v in times["data"].items()), times["training_minutes"],
+                log[-1]["step"], "; ".join(times["machines"]))
+
+
+def time_summary(cfg: DictConfig, log: list[dict]) -> dict:
+    """What making the drafter took, summed over every run that built its data or trained it
+    (train_time.json beside it): minutes of decoding per data source (timed shards only: see
+    data.build_times), minutes of training steps (validation excluded), and the machines."""
+    data = {name: times for name, times in build_times(Path(cfg.data.dir)).items() if name in cfg.data.mix}
+    steps = [0] + [r["step"] for r in log]
+    training = sum(r["s_per_step"] * (steps[i + 1] - steps[i]) for i, r in enumerate(log)) / 60
+    return {"data_minutes": round(sum(t["minutes"] for t in data.values()), 2), "training_minutes": round(training, 2),
+            "machines": sorted({m for t in data.values() for m in t["machines"]} | {machine(cfg.device)}),
+            "data": data, "untimed_shards": sum(t["shards"] - t["timed"] for t in data.values())}
 
 
 def output_dir(cfg: DictConfig) -> Path:

@@ -18,6 +18,7 @@ import hashlib
 import json
 import random
 import shutil
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from datasets import Array2D, Dataset, Features, Sequence, Value, concatenate_da
 from tqdm import tqdm
 
 from bastion.bench.datasets import REASON, chat_tokens, default_data_dir, read_jsonl
+from bastion.budget.hardware import device_name
 from bastion.engine import generate
 from bastion.files import atomic_dir, atomic_write_text, read_json
 from bastion.models.target import Target
@@ -56,6 +58,7 @@ OPENERS = (
     "Brainstorm ideas for", "Write a dialogue between", "How can I improve", "Design a",
 )
 
+BUILD_FILE = "build.json"  # in each shard: how long decoding it took, and on what machine
 Messages = list[dict]  # a conversation: {"role": "user" | "assistant", "content": ...} in order
 
 
@@ -190,9 +193,12 @@ def written_requests(target: Target, count: int, path: Path, what: str, round_pr
             if barren == BARREN_ROUNDS:
                 raise RuntimeError(f"{target.name} wrote no usable {what} in {barren} rounds; drop its source from data.mix.")
             keys, prefixes, starts = zip(*round_prompts(state["rounds"]))
+            started = time.perf_counter()
             decoding = generate(target, list(prefixes), max_new_tokens=max_new_tokens,
                                 sampling=Sampling(temperature=1.0, top_p=0.95), seed=seed * 1_000_003 + state["rounds"])
             state["rounds"], before = state["rounds"] + 1, len(state["requests"])
+            state["seconds"] = round(state.get("seconds", 0) + time.perf_counter() - started, 2)  # (absent in older files)
+            state["machines"] = sorted({*state.get("machines", []), machine(str(target.device))})
             for key, prefix, start, gen in zip(keys, prefixes, starts, decoding.generations):
                 text = target.tokenizer.decode(prefix[start:] + gen.tokens[:-1], skip_special_tokens=True).strip()
                 entry = [key, text]
@@ -251,7 +257,9 @@ def build_selfdistill(
             continue
         tokens = [t for _, t in batch]
         recorder = FeatureRecorder(layers, top_k)
+        started = time.perf_counter()
         decoding = generate(target, tokens, max_new_tokens=max_new_tokens, recorder=recorder)
+        build = {"seconds": round(time.perf_counter() - started, 2), "machine": machine(str(target.device))}
         rows = {name: [] for name in schema}
         for i, ((pid, prompt), gen) in enumerate(zip(batch, decoding.generations)):
             rows["id"].append(pid)
@@ -263,8 +271,35 @@ def build_selfdistill(
                 rows["top_logprobs"].append(recorder.top_logprobs[i].numpy())
         with atomic_dir(shard, "dataset_info.json") as tmp:
             Dataset.from_dict(rows, features=schema).save_to_disk(str(tmp))
+            atomic_write_text(tmp / BUILD_FILE, json.dumps(build))
             shutil.rmtree(shard, ignore_errors=True)  # the shard it replaces, if any: gone only once this one is whole
     return concatenate_datasets([load_from_disk(str(s)) for s in shards])
+
+
+def machine(device: str) -> str:
+    """What a timing was measured on: the CPU or GPU model, AMX or not, and torch's threads."""
+    import torch
+
+    amx = "" if device.startswith("cuda") else ", AMX" if torch.cpu._is_amx_tile_supported() else ", no AMX"
+    return f"{device_name(device)}{amx}, {torch.get_num_threads()} threads"
+
+
+def build_times(data_dir: Path) -> dict[str, dict]:
+    """Per source folder under data_dir: its shards, how many of them were timed (older versions
+    kept no time), the minutes that the timed shards and the source's written requests took to
+    decode, and the machines that decoded them."""
+    times = {}
+    for source in sorted(p for p in data_dir.iterdir() if p.is_dir()):
+        shards = sorted(source.glob("shard_*"))
+        builds = [read_json(s / BUILD_FILE, "build the shard again") for s in shards if (s / BUILD_FILE).exists()]
+        seconds, machines = sum(b["seconds"] for b in builds), {b["machine"] for b in builds}
+        if (source / "requests.json").exists():  # the requests the target wrote for this source
+            state = read_json(source / "requests.json", "delete it to write the requests again")
+            seconds += state.get("seconds", 0)
+            machines.update(state.get("machines", []))
+        times[source.name] = {"shards": len(shards), "timed": len(builds), "minutes": round(seconds / 60, 2),
+                              "machines": sorted(machines)}
+    return times
 
 
 def shard_ids(shard: Path) -> list[str] | None:
