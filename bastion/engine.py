@@ -207,6 +207,8 @@ def _step(m: _Method, batch: _Batch) -> Step:
     proposal = None
     if m.drafter is not None:
         if m.budget.drafts():
+            if m.drafter.proposes_trees:
+                ctx.max_depth = m.budget.max_depth()
             proposal = m.drafter.propose(ctx)
         else:  # the budget chose an AR step; the drafter still reads the new tokens
             m.drafter.absorb(ctx)

@@ -118,6 +118,18 @@ def test_bigger_trees_when_verifying_is_cheap():
     assert steep.size([tree], [100])[0].n_nodes < 20
 
 
+def test_the_controller_asks_for_trees_one_level_deeper_than_its_last():
+    from bastion.budget.fixed import FixedBudget
+
+    assert FixedBudget(5).max_depth() == 5  # n nodes are at most n deep
+    steep = controller([math.log(1e-4), math.log(50.0), math.log(1e-6), 0.0], args=ARGS)
+    assert steep.max_depth() == 256  # nothing chosen yet: as deep as its budget
+    n = steep.size([chain(200, 0.97)], [100])[0].n_nodes
+    assert 1 <= n < 20 and steep.max_depth() == n + 1
+    steep.reset()  # a new prompt
+    assert steep.max_depth() == 256
+
+
 def stepped(n: int) -> float:
     """A verify time that moves in steps of 4 tokens, as tiled matmul kernels cost: 1-4, 5-8, ..."""
     return 0.020 + 0.004 * ((n - 1) // 4)

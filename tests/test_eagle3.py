@@ -170,6 +170,48 @@ def test_decoding_with_eagle3_is_lossless_under_every_policy(tiny_qwen3, policy,
     assert sum(sum(s.produced) - len(s.produced) for s in out.steps) > 10  # drafts were accepted
 
 
+def test_a_shallower_budget_drafts_the_same_tree_top(tiny_qwen3):
+    tokens = list(range(300, 321))
+    feats = target_features(tiny_qwen3, tokens, random_eagle3(tiny_qwen3).feature_layers)
+    proposals = []
+    for max_depth in (None, 2, 1):
+        drafter = random_eagle3(tiny_qwen3, top_k=3, depth=4)
+        drafter.reset(1, 64)
+        proposals.append(drafter.propose(DraftContext([tokens], feats[:, :20], [20], max_depth=max_depth)))
+    full, two, one = proposals
+    assert (full.depth, two.depth, one.depth) == (4, 2, 1)
+    for shallow in (two, one):  # the first levels' candidates, each a draft forward fewer per level left out
+        n = shallow.tokens.shape[1]
+        assert n == 1 + 3 + 9 * (shallow.depth - 1)
+        assert torch.equal(shallow.tokens, full.tokens[:, :n]) and torch.equal(shallow.parents, full.parents[:, :n])
+        torch.testing.assert_close(shallow.logq, full.logq[:, :n])
+
+
+def test_the_bastion_budget_sizes_eagle3_trees_in_depth_too_and_stays_lossless(tiny_qwen3, tmp_path):
+    from bastion.budget.controller import BastionBudget
+    from bastion.budget.hardware import HardwareProfile
+    from tests.test_lossless import on_exact_hardware
+
+    prompts, max_new = random_prompts(4, seed=5), 24
+    truth = [g.tokens for g in generate(tiny_qwen3, prompts, max_new_tokens=max_new).generations]
+    torch.manual_seed(0)
+    drafter = OracleEagle3(new_eagle3_config(tiny_qwen3), tiny_qwen3, top_k=3, depth=6,
+                           continuations={tuple(p): t for p, t in zip(prompts, truth)}).to(tiny_qwen3.dtype).eval()
+    depths, propose = [], drafter.propose
+
+    def recorded(ctx):
+        proposal = propose(ctx)
+        depths.append(proposal.depth)
+        return proposal
+
+    drafter.propose = recorded
+    budget = on_exact_hardware(BastionBudget(max_nodes=12, probe=False, scale_acceptance=False, pause_drafting=False))
+    budget.start(tiny_qwen3, HardwareProfile("cpu", {"float64": 0.05}, 8.0, 1.0), tmp_path)
+    out = generate(tiny_qwen3, prompts, drafter=drafter, policy=best_first, budget=budget, max_new_tokens=max_new)
+    assert [g.tokens for g in out.generations] == truth
+    assert depths[0] == 6 and min(depths) < 6, depths  # later steps draft only as deep as the budget goes
+
+
 def test_sampled_children_are_refused(tiny_qwen3):
     drafter = random_eagle3(tiny_qwen3)
     with pytest.raises(ValueError, match="drafts ranked children only: use decode.tree_mode=ranked"):

@@ -53,6 +53,11 @@ class Budget:
         """Draft this step? False inside an AR stretch."""
         return not self.stretch.skip()
 
+    def max_depth(self) -> int:
+        """The deepest tree this budget can verify next step: a tree of n nodes is at most n
+        deep (a drafter that grows its trees depth by depth, EAGLE-3, grows no deeper)."""
+        return self.max_nodes
+
     def size(self, trees: list[DraftTree], contexts: list[int]) -> list[DraftTree]:
         """The trees to verify: the policy's `trees`, cut to this step's budget (`contexts`:
         each row's cached tokens)."""

@@ -58,6 +58,7 @@ class BastionBudget(Budget):
         self.exploring = False  # while forecasts are biased
         self.bias = 0.0  # running mean of log(measured / forecast) verify time
         self._explored = 0  # explorations so far: the factors cycle across episodes
+        self._sized: list[DraftTree] = []  # the trees the last drafted step verified
         self._seen = 0
 
     def start(self, target, hardware: HardwareProfile, cache_dir: Path) -> None:
@@ -67,6 +68,10 @@ class BastionBudget(Budget):
                 self.latency = calibrated(target, hardware, cache_dir)
             else:
                 self.latency = LatencyModel.from_profile(target.args, target.dtype, hardware)
+
+    def reset(self) -> None:
+        super().reset()
+        self._sized = []  # a new prompt starts at full depth
 
     @property
     def acceptance_ratio(self) -> float:
@@ -83,7 +88,15 @@ class BastionBudget(Budget):
             self._explored += 1
             best = int(np.clip(round(max(best, 1) * factor), 1, len(counts) - 1))
         self.predicted_s = float(verify[best])
-        return [tree.truncate(int(n)) for tree, n in zip(trees, counts[best])]
+        self._sized = [tree.truncate(int(n)) for tree, n in zip(trees, counts[best])]
+        return self._sized
+
+    def max_depth(self) -> int:
+        """One deeper than the deepest tree it chose last: the next step's choice is much like
+        the last, and may still grow by a level each step (the first step: max_nodes)."""
+        if not self._sized:
+            return self.max_nodes
+        return min(self.max_nodes, 1 + max(max(t.depths) for t in self._sized))
 
     def curve(self, trees: list[DraftTree], contexts: list[int]):
         """For n = 0.. all nodes: per-row node counts [n+1, B], predicted verify time [n+1],

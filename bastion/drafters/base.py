@@ -19,6 +19,7 @@ class DraftContext:
     features: torch.Tensor | None  # [B, T, F] target features of the tokens committed since the last call, right-padded
     n_features: list[int]  # [B] valid T per row
     cache: object = None  # the target's KVCache (drafters that run the target itself draft against it)
+    max_depth: int | None = None  # the deepest tree the budget can use this step (a drafter that grows trees stops there)
 
 
 class Drafter:

@@ -9,7 +9,9 @@ target = draft + d2t[draft]).
 
 Drafting grows a tree as EAGLE-2 does: the root's top-k children; then, depth - 1 times, the
 k likeliest leaves (by path probability) each run one step and offer their own top-k
-children. Every candidate goes to the tree policy as a TreeProposal: best-first takes the N
+children (fewer times where the budget can use no deeper tree: DraftContext.max_depth, which
+the BASTION controller keeps a level below the trees it chose last, so a draft forward per
+level is not spent on levels it cuts). Every candidate goes to the tree policy as a TreeProposal: best-first takes the N
 likeliest (EAGLE-2's rerank), chain and static follow sibling ranks. The tree's steps see the
 verified context's cached keys and values and their own ancestors' (written past the cache's
 verified length, so the next step's context overwrites them).
@@ -113,7 +115,8 @@ class Eagle3Drafter(nn.Module, Drafter):
         beam_tokens, beam_feature = ids[:, 0], last[:, None].expand(B, k, h)
         itself = torch.eye(k, dtype=torch.bool, device=device).expand(B, k, k)  # each leaf's own new entry
         sees = itself  # [B, k, E]: tree entries each leaf sees
-        for step in range(1, self.depth):
+        depth = min(self.depth, ctx.max_depth or self.depth)  # a draft forward per depth: none the budget cannot use
+        for step in range(1, depth):
             E = step * k  # tree entries once this step's are written
             write_pos = lengths[:, None] + (E - k) + every  # [B, k]
             S = max(self.cache.lengths) + E
@@ -134,7 +137,7 @@ class Eagle3Drafter(nn.Module, Drafter):
             beam_tokens = ids.flatten(1).gather(1, top.indices)
             beam_feature = out.gather(1, slot[..., None].expand(-1, -1, h))
             sees = torch.cat([sees.gather(1, slot[..., None].expand(-1, -1, E)), itself], 2)
-        return TreeProposal(roots, torch.cat(tokens, 1), torch.cat(parents, 1), torch.cat(logq, 1), torch.cat(ranks, 1), self.depth)
+        return TreeProposal(roots, torch.cat(tokens, 1), torch.cat(parents, 1), torch.cat(logq, 1), torch.cat(ranks, 1), depth)
 
     def _append_context(self, ctx: DraftContext) -> torch.Tensor:
         """Run the newly verified positions (their target features beside the token after each)
