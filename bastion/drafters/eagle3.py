@@ -11,8 +11,9 @@ Drafting grows a tree as EAGLE-2 does: the root's top-k children; then, depth - 
 k likeliest leaves (by path probability) each run one step and offer their own top-k
 children (fewer times where the budget can use no deeper tree: DraftContext.max_depth, which
 the BASTION controller keeps a level below the trees it chose last, so a draft forward per
-level is not spent on levels it cuts). Every candidate goes to the tree policy as a TreeProposal: best-first takes the N
-likeliest (EAGLE-2's rerank), chain and static follow sibling ranks. The tree's steps see the
+level is not spent on levels it cuts). Every candidate goes to the tree policy as a
+TreeProposal: best-first takes the N likeliest (EAGLE-2's rerank), chain and static follow
+sibling ranks. The tree's steps see the
 verified context's cached keys and values and their own ancestors' (written past the cache's
 verified length, so the next step's context overwrites them).
 
