@@ -26,6 +26,7 @@ from datasets import Array2D, Dataset, Features, Sequence, Value, concatenate_da
 from tqdm import tqdm
 
 from bastion.bench.datasets import REASON, chat_tokens, default_data_dir, read_jsonl
+from bastion.bench.provenance import has_amx
 from bastion.budget.hardware import device_name
 from bastion.engine import generate
 from bastion.files import atomic_dir, atomic_write_text, read_json
@@ -280,7 +281,7 @@ def machine(device: str) -> str:
     """What a timing was measured on: the CPU or GPU model, AMX or not, and torch's threads."""
     import torch
 
-    amx = "" if device.startswith("cuda") else ", AMX" if torch.cpu._is_amx_tile_supported() else ", no AMX"
+    amx = {True: ", AMX", False: ", no AMX", None: ""}[has_amx(device)]
     return f"{device_name(device)}{amx}, {torch.get_num_threads()} threads"
 
 
