@@ -23,12 +23,15 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     """A temporary path beside `path` to write to; it replaces `path` when the block ends
     without error and is removed when it raises. Its name is hidden (globs such as
     `*.safetensors` skip it) and carries the process id, so two processes writing the same
-    file never write into one temporary file."""
+    file never write into one temporary file. The file gets the permissions a plain open()
+    would give it (safetensors writes its files readable by their owner only, which kept
+    drafters from the colleagues they were trained for)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         yield tmp
+        os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
@@ -70,6 +73,12 @@ def running(pid: int) -> bool:
     except PermissionError:  # alive, another user's
         pass
     return True
+
+
+def _umask() -> int:
+    mask = os.umask(0)  # reading it means setting it: set it straight back
+    os.umask(mask)
+    return mask
 
 
 def atomic_write_text(path: str | Path, text: str) -> None:

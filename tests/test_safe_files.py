@@ -16,6 +16,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
+from safetensors.torch import save_file
 
 import bastion.budget.latency
 from bastion.budget.hardware import HardwareProfile
@@ -103,6 +104,20 @@ def test_a_write_cut_short_leaves_the_previous_file(tmp_path):
             raise KeyboardInterrupt  # a kill mid-write
     assert json.loads(path.read_text()) == {"done": True}
     assert os.listdir(path.parent) == ["file.json"]  # no temporary file left
+
+
+def test_written_files_get_the_permissions_a_plain_open_gives(tmp_path):
+    """safetensors writes owner-only files; a drafter saved for a team must be readable by it."""
+    mask = os.umask(0o022)
+    try:
+        with atomic_path(tmp_path / "model.safetensors") as tmp:
+            save_file({"w": torch.zeros(2)}, tmp)
+        assert os.stat(tmp_path / "model.safetensors").st_mode & 0o777 == 0o644
+        os.umask(0o077)
+        atomic_write_text(tmp_path / "private.json", "{}")
+        assert os.stat(tmp_path / "private.json").st_mode & 0o777 == 0o600
+    finally:
+        os.umask(mask)
 
 
 def test_a_half_written_latency_cache_is_measured_again_with_a_warning(tiny, tmp_path, monkeypatch):
