@@ -236,6 +236,9 @@ def build_methods(cfg: DictConfig, target, plans: list[MethodPlan], settings_of:
         if key not in drafters:
             drafters[key] = packed(cfg, build(plan.node.drafter, target=target))
         budget = build(plan.budget)
+        if budget.mode == "parallel" and not drafters[key].drafts_inside_verification:
+            raise ValueError(f"Method {plan.name}: budget.mode=parallel drafts inside the verification forward, which only a FlexDraft "
+                             "drafter in the paper's layout (trained with recipe.bonus=mask) can; use sequential or flex.")
         profile = profile or hardware(cfg)
         budget.start(target, profile, Path(cfg.cache_dir))
         methods.append(Method(plan.name, drafters[key], build(plan.node.tree), budget, plan.oracle, settings))

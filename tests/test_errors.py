@@ -89,6 +89,14 @@ def test_impossible_budget_fails_before_loading_the_model():
     assert "Cannot load model" not in result.stderr
 
 
+def test_parallel_drafting_is_refused_for_a_drafter_that_cannot(tmp_path):
+    result = run_py("target=tiny_qwen3", "drafter=ngram", "budget=fixed", "budget.mode=parallel", "bench.limit=1",
+                    f"hydra.run.dir={tmp_path}")
+    assert result.returncode != 0
+    assert ("budget.mode=parallel drafts inside the verification forward, which only a FlexDraft drafter in the paper's "
+            "layout (trained with recipe.bonus=mask) can; use sequential or flex.") in result.stderr
+
+
 def test_a_packaged_model_converted_by_another_process_meanwhile_is_kept(tmp_path):
     """Parallel test workers convert the packaged GGUF at once: the first to finish publishes
     it, the others drop their copy instead of failing or replacing it."""

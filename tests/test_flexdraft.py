@@ -71,12 +71,13 @@ def test_a_clean_bonus_drafts_after_verification_only_and_stays_lossless(tiny_ll
     prompts = random_prompts(4, seed=11)
     target, expected = with_eos_mid_output(tiny_llama, prompts, 20)
     drafter = random_flexdraft(target, threshold=0.0, bonus="clean")
-    assert drafter.parallel_tokens([TREE]) == (0, 0)
+    assert drafter.parallel_tokens([TREE]) == (0, 0) and not drafter.drafts_inside_verification
     cache = committed_cache(target, list(range(400, 420)))
     first, second = (drafter.draft_after_prefix(cache, [0], [root])[0] for root in (7, 8))
     assert not torch.allclose(first, second)  # the bonus is read
     masked = random_flexdraft(target, threshold=0.0)
     assert torch.equal(*(masked.draft_after_prefix(cache, [0], [root])[0] for root in (7, 8)))  # the paper's layout does not
+    assert masked.drafts_inside_verification
     budget = budget_with(target, 4, synthetic_latency(target, parallel_cheaper=True), mode=mode)
     d = generate(target, prompts, drafter=drafter, policy=best_first, budget=budget, max_new_tokens=20)
     for p, exp, gen in zip(prompts, expected, d.generations):

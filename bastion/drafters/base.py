@@ -29,6 +29,7 @@ class Drafter:
 
     feature_layers: tuple[int, ...] = ()  # target layers whose outputs the drafter conditions on
     proposes_trees: bool = False  # a TreeProposal (ranked children per node), not per-position candidates
+    drafts_inside_verification: bool = False  # can draft in the verification forward itself (budget.mode=parallel)
 
     def reset(self, batch_size: int, capacity: int) -> None:
         """Forget all rows: a new batch of prompts starts; no row will exceed `capacity` tokens."""
@@ -50,7 +51,7 @@ class Drafter:
 
     def parallel_tokens(self, trees: list[DraftTree]) -> tuple[int, int]:
         """Tokens per row that drafting inside this step's verification forward would add, and
-        that a draft forward after it runs; (0, 0): this drafter drafts only after it."""
+        that a draft forward after it runs; (0, 0) where not drafts_inside_verification."""
         return 0, 0
 
     def verify_forward(self, target, cache, trees: list[DraftTree], tokens: torch.Tensor, depths: torch.Tensor,

@@ -157,11 +157,15 @@ class FlexDraftDrafter(nn.Module, DraftVocabulary, Drafter):
     def extra_tokens(self, max_nodes: int) -> int:
         return mask_slots(self.group_size, max_nodes)
 
+    @property
+    def drafts_inside_verification(self) -> bool:
+        """A group that reads the bonus token drafts only after verification, once it is known."""
+        return self.bonus == "mask"
+
     def parallel_tokens(self, trees: list[DraftTree]) -> tuple[int, int]:
         """Drafting inside the verification forward adds the kept nodes' groups; after it, a
-        forward of one group. A group that reads the bonus token drafts only after it, once
-        the bonus is known: (0, 0)."""
-        if self.bonus == "clean":
+        forward of one group."""
+        if not self.drafts_inside_verification:
             return 0, 0
         return max(len(self.selected_nodes(t)) for t in trees) * self.group_size, self.group_size
 
