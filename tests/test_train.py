@@ -293,6 +293,12 @@ def test_train_py_end_to_end(tmp_path):
     assert "holds self-distillation data made with other settings" in float32_data.stderr
     tiny = load_target(**target_config("tiny_qwen3"))
     assert load_flexdraft(tiny, str(tmp_path / "out")).group_size == 4
+    # a moved training state (another machine's cache, another disk) resumes where it stopped
+    (tmp_path / "train" / "flexdraft_tiny_qwen3").rename(tmp_path / "moved")
+    longer = [a.replace("recipe.optim.steps=3", "recipe.optim.steps=4") for a in args] + [f"recipe.work_dir={tmp_path / 'moved'}"]
+    resumed = subprocess.run([sys.executable, "train.py", *longer], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert [json.loads(line)["step"] for line in (tmp_path / "out" / "train_log.jsonl").read_text().splitlines()] == [3, 4]
     eagle3 = subprocess.run([sys.executable, "train.py", args[0], "drafter=eagle3", *args[2:8], "recipe.draft_vocab=500",
                              "recipe.optim.steps=3", "recipe.optim.ttt_steps=2", f"recipe.output_dir={tmp_path / 'eagle3'}",
                              *args[-3:]], cwd=ROOT, capture_output=True, text=True, timeout=600)

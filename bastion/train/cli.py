@@ -58,11 +58,12 @@ def train(cfg: DictConfig) -> None:
     recipe, state = cfg.recipe, Path(cfg.recipe.work_dir) / "train_state.pt"
     optim = OmegaConf.to_container(recipe.optim)
     # What the run learns from; its length (steps) may grow on a resume, and where the drafter
-    # goes may change (a finished run reruns in no time to save elsewhere).
+    # goes (a finished run reruns in no time to save elsewhere) or its state lives may change
+    # (another machine's cache, a moved work_dir).
     optim["run_key"] = {"data": OmegaConf.to_container(cfg.data), "recipe": OmegaConf.to_container(recipe),
                         "target": cfg.target.name, "seed": cfg.seed}
     optim["run_key"]["recipe"]["optim"].pop("steps")
-    for key in ("output_dir", "overwrite"):
+    for key in ("output_dir", "overwrite", "work_dir"):
         optim["run_key"]["recipe"].pop(key, None)
     if cfg.drafter.name == "dflash":
         drafter = new_dflash_drafter(cfg, target, layers, examples, recipe.layers, recipe.block_size)
