@@ -240,7 +240,7 @@ def build_methods(cfg: DictConfig, target, plans: list[MethodPlan], settings_of:
             raise ValueError(f"Method {plan.name}: budget.mode=parallel drafts inside the verification forward, which only a FlexDraft "
                              "drafter in the paper's layout (trained with recipe.bonus=mask) can; use sequential or flex.")
         profile = profile or hardware(cfg)
-        budget.start(target, profile, Path(cfg.cache_dir))
+        budget.start(target, profile, Path(cfg.cache_dir), drafters[key].draft_tokens)
         methods.append(Method(plan.name, drafters[key], build(plan.node.tree), budget, plan.oracle, settings))
     return methods
 

@@ -245,6 +245,25 @@ def test_drafting_stops_while_no_tree_beats_ar_and_is_retried():
     assert budget.drafts() and not budget.recent.retrying
 
 
+@pytest.mark.parametrize("budget_kind", ["bastion", "fixed"])
+def test_a_draft_through_the_target_is_priced_before_it_is_measured(budget_kind):
+    """A drafter whose draft is a forward through the target's own layers (FlexDraft: a group
+    of 8 tokens) is priced by the latency model at its first step, before it has measured one:
+    where that forward and the verify outweigh the tokens the drafter believes in, the first
+    step already starts an AR stretch; a small drafter (no such forward) drafts on."""
+    from bastion.budget.fixed import FixedBudget
+
+    def judged(draft_tokens: int) -> bool:
+        budget = controller(TRUE_CPU) if budget_kind == "bastion" else FixedBudget(4, pause_drafting=True)
+        budget.latency = controller(TRUE_CPU).latency
+        budget.draft_tokens = draft_tokens
+        budget.reset()
+        budget.size([chain(4, 0.7)] * 4, [300] * 4)  # 4 rows: A_hat 1.8 tokens a row beyond the bonus
+        return budget.stretch.left > 0
+
+    assert judged(draft_tokens=8) and not judged(draft_tokens=0)
+
+
 def test_step_costs_are_medians_that_one_cold_step_does_not_move():
     """The first drafted step of a decode also reads the prompt into the drafter (90 ms here
     against 4 ms): it must not price drafting."""

@@ -110,7 +110,7 @@ def budget_with(target, nodes: int, latency: LatencyModel | None = None, **kw) -
 def test_flex_mode_follows_the_latency_model(tiny_qwen3):
     drafter = random_flexdraft(tiny_qwen3, threshold=0.0)
     inside, apart = drafter.parallel_tokens([TREE])
-    assert (inside, apart) == (5 * 4, 4)  # every node kept: a group of 4 after each
+    assert (inside, apart) == (5 * 4, 4) and drafter.draft_tokens == 4  # every node kept: a group of 4 after each
     for cheaper in (True, False):
         budget = budget_with(tiny_qwen3, 4, synthetic_latency(tiny_qwen3, parallel_cheaper=cheaper), mode="flex")
         assert budget.parallel(len(TREE.tokens), lambda: (inside, apart), [100]) == cheaper
@@ -188,12 +188,14 @@ def on_latency_model(budget: FixedBudget) -> FixedBudget:
 
 
 @pytest.mark.parametrize("token_share, drafted_steps", [
-    # a drafted step costs ~1.02 AR steps: steps 0-4 are measured (the first is the decode's
-    # own, left out) and judged at 5, then AR steps 6-12, a retry at 13 that fails once
-    # measured (judged at 14), AR steps 15-29 (twice as many), a retry at 30 judged at 31
-    (0.001, [0, 1, 2, 3, 4, 5, 13, 14, 30, 31]),
-    # compute-bound: a drafted step costs >= 8 AR steps, so its stretch is >= 140 steps (a retry wastes <= 5%)
-    (1.0, [0, 1, 2, 3, 4, 5]),
+    # the drafter believes in almost none of its tokens, so the forecast stops drafting at the
+    # first step; a drafted step costs ~1.01 AR steps: AR steps 1-7, a retry at 8 that fails
+    # once measured (judged at 9), AR steps 10-24 (twice as many), a retry at 25 judged at 26,
+    # AR steps 27-57, a retry at 58
+    (0.001, [0, 8, 9, 25, 26, 58]),
+    # compute-bound: the forecast prices a draft forward and a verify of 4 tokens at 2.5 AR steps,
+    # so the stretch is 30 steps (its retry wastes <= 5%); measured at 4.5, the next is >= 70
+    (1.0, [0, 30, 31]),
 ])
 def test_paused_drafting_stops_a_drafter_that_cannot_pay(tiny_llama, token_share, drafted_steps):
     """A random drafter produces ~1 token per drafted step, which never pays: with drafting

@@ -3,9 +3,10 @@ every tree the policy built.
 
 Two decisions are shared by every budget and made here, so that one place decides whether a
 step drafts and how:
-- pausing drafting (`pause_drafting`): while the measured drafted steps of this decode produce fewer
-  tokens per second than its AR steps (recent.py), the next steps are AR steps (stretch.py:
-  8 at first, doubling while retries fail);
+- pausing drafting (`pause_drafting`): while drafting does not pay, by forecast until the
+  drafted steps are measured and then by their tokens per second against AR steps'
+  (recent.py), the next steps are AR steps (stretch.py: 8 at first, doubling while retries
+  fail);
 - where a drafter that can also draft inside the verification forward (FlexDraft) drafts
   (`mode`): after it (sequential), inside it (parallel), or each step whichever the latency
   model predicts faster for the step's shapes (flex: the FlexDraft paper's flex decoding).
@@ -36,10 +37,14 @@ class Budget:
         self.stretch = ARStretch()
         self.recent = RecentSteps(window)
         self.latency: LatencyModel | None = None
+        self.draft_tokens = 0  # tokens per row of the target-sized forward a draft runs (start)
 
-    def start(self, target, hardware, cache_dir: Path) -> None:
+    def start(self, target, hardware, cache_dir: Path, draft_tokens: int = 0) -> None:
         """Before the first decode: calibrate the latency model on this machine where a
-        decision needs it (flex mode; pause_drafting, for an AR step's time before one ran)."""
+        decision needs it (flex mode; pause_drafting, to forecast a step before one ran).
+        `draft_tokens`: tokens per row of the forward a draft runs through the target's own
+        layers (FlexDraft's), which prices drafting before a drafted step is measured."""
+        self.draft_tokens = draft_tokens
         if self.latency is None and (self.mode == "flex" or self.pause_drafting):
             self.latency = calibrated(target, hardware, cache_dir)
 
@@ -62,9 +67,21 @@ class Budget:
         """The trees to verify: the policy's `trees`, cut to this step's budget (`contexts`:
         each row's cached tokens)."""
         if self.pause_drafting:
-            ar_s = self.recent.ar_step_s(float(self.predict(1, contexts)))
-            self.judge(None, self.recent.step_s / ar_s, ar_s)
+            ar_s = self.recent.ar_step_s(float(self.predict(1, contexts)) + self.recent.other_s)
+            width = 1 + max(tree.n_nodes for tree in trees)
+            cost = (self.draft_s(contexts) + float(self.predict(width, contexts)) + self.recent.other_s) / ar_s
+            tokens = 1 + sum(tree.expected_accepted() for tree in trees) / len(trees)  # the drafter's belief
+            self.judge(tokens / cost, self.recent.step_s / ar_s if self.recent.drafted else cost, ar_s)
         return trees
+
+    def draft_s(self, contexts: list[int]) -> float:
+        """A step's drafting time: the recent drafted steps' median; before any, the latency
+        model's forward of `draft_tokens` per row (0 for a drafter that is not the target: it
+        is small beside it): a draft that costs several AR steps (FlexDraft's at a large batch
+        on a CPU) must not be measured EVIDENCE times over before drafting stops."""
+        if self.recent.drafted or not self.draft_tokens:
+            return self.recent.draft_s
+        return float(self.predict(self.draft_tokens, contexts))
 
     def judge(self, forecast: float | None, retry_cost: float, forecast_ar_s: float) -> None:
         """With pause_drafting on: start an AR stretch when drafting does not pay, by realised

@@ -61,8 +61,9 @@ class BastionBudget(Budget):
         self._sized: list[DraftTree] = []  # the trees the last drafted step verified
         self._seen = 0
 
-    def start(self, target, hardware: HardwareProfile, cache_dir: Path) -> None:
+    def start(self, target, hardware: HardwareProfile, cache_dir: Path, draft_tokens: int = 0) -> None:
         """Build the latency model: probe-calibrated (cached), or the profile's prior alone."""
+        self.draft_tokens = draft_tokens
         if self.latency is None:
             if self.probe:
                 self.latency = calibrated(target, hardware, cache_dir)
@@ -105,7 +106,7 @@ class BastionBudget(Budget):
         new_tokens = 1 + counts.max(axis=1, keepdims=True).repeat(len(trees), axis=1)  # the padded batch
         ctx = np.asarray(contexts)[None, :].repeat(len(counts), 0)
         verify = self.latency.predict(new_tokens, ctx)
-        draft_s, other_s = self.recent.draft_s, self.recent.other_s
+        draft_s, other_s = self.draft_s(contexts), self.recent.other_s
         cost = (draft_s + verify + other_s) / (verify[0] + other_s)  # n = 0 is an AR step
         speedup = (1 + self.acceptance_ratio * gained / len(trees)) / cost
         return counts, verify, cost, speedup

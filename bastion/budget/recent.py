@@ -36,8 +36,9 @@ class RecentSteps:
 
     def restart(self) -> None:
         """An AR stretch starts: what was drafted before it no longer judges drafting (the
-        drafted step that started it included: it is measured after this)."""
-        self.retrying, self.fresh = True, -1
+        drafted step that started it included: it is measured after this, and kept unless it
+        is the decode's first)."""
+        self.retrying, self.fresh = True, 0 if self.first else -1
 
     def observe(self, step) -> None:
         """Keep a measured step (engine.Step, drafted or AR)."""

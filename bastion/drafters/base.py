@@ -30,6 +30,7 @@ class Drafter:
     feature_layers: tuple[int, ...] = ()  # target layers whose outputs the drafter conditions on
     proposes_trees: bool = False  # a TreeProposal (ranked children per node), not per-position candidates
     drafts_inside_verification: bool = False  # can draft in the verification forward itself (budget.mode=parallel)
+    draft_tokens: int = 0  # tokens per row of the target-sized forward a draft runs (FlexDraft's group; 0: a small drafter)
 
     def reset(self, batch_size: int, capacity: int) -> None:
         """Forget all rows: a new batch of prompts starts; no row will exceed `capacity` tokens."""

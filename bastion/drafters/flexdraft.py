@@ -162,12 +162,17 @@ class FlexDraftDrafter(nn.Module, DraftVocabulary, Drafter):
         """A group that reads the bonus token drafts only after verification, once it is known."""
         return self.bonus == "mask"
 
+    @property
+    def draft_tokens(self) -> int:
+        """A sequential draft is a forward of one group through the target's layers."""
+        return self.group_size
+
     def parallel_tokens(self, trees: list[DraftTree]) -> tuple[int, int]:
         """Drafting inside the verification forward adds the kept nodes' groups; after it, a
         forward of one group."""
         if not self.drafts_inside_verification:
             return 0, 0
-        return max(len(self.selected_nodes(t)) for t in trees) * self.group_size, self.group_size
+        return max(len(self.selected_nodes(t)) for t in trees) * self.group_size, self.draft_tokens
 
     @torch.inference_mode()
     def propose(self, ctx: DraftContext) -> BlockProposal:
