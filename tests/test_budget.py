@@ -214,7 +214,7 @@ def test_an_overconfident_drafter_gets_smaller_trees():
 def test_drafting_stops_while_no_tree_beats_ar_and_is_retried():
     """Before any measurement the forecast judges; a retry after an AR stretch is judged on
     the drafted steps measured since the stretch alone (failing on its first, paying after
-    EVIDENCE), and each failed retry doubles the next stretch."""
+    EVIDENCE), each failed retry doubles the next stretch, and a stretch outlives its decode."""
     budget = controller(TRUE_CPU)
     budget.recent.drafted.append((0.03, 0.0, 1.0, 0.1))  # drafting costs ~half an AR step (one drafted step measured)
     weak = chain(8, 0.05)
@@ -240,9 +240,10 @@ def test_drafting_stops_while_no_tree_beats_ar_and_is_retried():
     assert [budget.drafts() for _ in range(2 * first)] == [False] * (2 * first - 1) + [True]
     assert retry(0.031) is None and budget.drafts()  # 2 tokens in 31 ms: drafting is back, whatever the forecast
     assert budget.stretch.next == 8
-    budget.size([weak], [300])
-    budget.reset()  # a new decode (another prompt) starts outside any stretch
-    assert budget.drafts() and not budget.recent.retrying
+    assert retry(0.3) is not None  # drafting stops paying again
+    left = budget.stretch.left
+    budget.reset()  # a new decode (another prompt): the stretch runs on into it, and its retry is judged alone
+    assert [budget.drafts() for _ in range(left)] == [False] * (left - 1) + [True] and budget.recent.retrying
 
 
 @pytest.mark.parametrize("budget_kind", ["bastion", "fixed"])

@@ -49,9 +49,10 @@ class Budget:
             self.latency = calibrated(target, hardware, cache_dir)
 
     def reset(self) -> None:
-        """A new decode begins: no AR stretch carries over into other prompts (the next
-        stretch's length does, like what was learned of the machine and the drafter)."""
-        self.stretch.left = 0
+        """A new decode begins. An AR stretch runs on into it, and its retry is judged on the
+        steps drafted since, whichever prompts they decode: the verdict was reached on this
+        machine, batch size and drafter, which the next prompts share, and judging each
+        prompt afresh cost it a drafted step (several AR steps at a large batch on a CPU)."""
         self.recent.reset()
 
     def drafts(self) -> bool:

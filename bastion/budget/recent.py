@@ -1,4 +1,4 @@
-"""What this decode's recent steps measured: the evidence on which drafting is turned off.
+"""What the recent steps measured: the evidence on which drafting is turned off.
 
 Drafted steps keep their draft and other seconds (medians of the last `window` price a step,
 so one slow step does not move them), their tokens per row and their whole time; tokens per
@@ -32,7 +32,7 @@ class RecentSteps:
 
     def reset(self) -> None:
         """A new decode: its first drafted step will not be kept."""
-        self.first, self.retrying, self.fresh = True, False, 0
+        self.first = True
 
     def restart(self) -> None:
         """An AR stretch starts: what was drafted before it no longer judges drafting (the
