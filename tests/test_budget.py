@@ -244,6 +244,9 @@ def test_drafting_stops_while_no_tree_beats_ar_and_is_retried():
     left = budget.stretch.left
     budget.reset()  # a new decode (another prompt): the stretch runs on into it, and its retry is judged alone
     assert [budget.drafts() for _ in range(left)] == [False] * (left - 1) + [True] and budget.recent.retrying
+    for _ in range(left - 1):
+        budget.observe(measured(0.025, nodes=0), [300], 1)
+    assert retry(0.3) == 1  # the retry, its decode's first drafted step but not its first step, is judged once measured
 
 
 @pytest.mark.parametrize("budget_kind", ["bastion", "fixed"])

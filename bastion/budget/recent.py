@@ -3,8 +3,9 @@
 Drafted steps keep their draft and other seconds (medians of the last `window` price a step,
 so one slow step does not move them), their tokens per row and their whole time; tokens per
 step are noisier than times, so the throughput of drafting averages the last 4 windows. A
-decode's first drafted step is left out: it also reads the whole prompt into the drafter, and
-a mean seeded by it priced drafting far above its cost (experiments/NOTES.md).
+decode's first step is not kept as a drafted one: it also reads the whole prompt into the
+drafter, and a mean seeded by it priced drafting far above its cost (experiments/NOTES.md).
+A retry later in the decode is kept (its drafter read the stretch's tokens step by step).
 
 After an AR stretch the steps drafted before it are stale evidence: a retry is judged on the
 drafted steps measured since the stretch alone, or the window's old steps would outvote it
@@ -26,12 +27,12 @@ class RecentSteps:
         self.window = window
         self.drafted: deque[tuple[float, float, float, float]] = deque(maxlen=4 * window)  # (draft s, other s, tokens per row, step s)
         self.ar_s: deque[float] = deque(maxlen=window)
-        self.first = False  # the next drafted step is a decode's first
+        self.first = False  # the next step is a decode's first
         self.retrying = False  # an AR stretch ran in this decode: only drafted steps since then count
         self.fresh = 0  # drafted steps kept since the last stretch (or the decode's start)
 
     def reset(self) -> None:
-        """A new decode: its first drafted step will not be kept."""
+        """A new decode: its first step, if drafted, will not be kept."""
         self.first = True
 
     def restart(self) -> None:
@@ -43,11 +44,10 @@ class RecentSteps:
     def observe(self, step) -> None:
         """Keep a measured step (engine.Step, drafted or AR)."""
         step_s = step.draft_s + step.verify_s + step.other_s
+        first, self.first = self.first, False
         if not step.drafted:
             self.ar_s.append(step_s)
-        elif self.first:
-            self.first = False
-        else:
+        elif not first:
             self.drafted.append((step.draft_s, step.other_s, sum(step.produced) / len(step.produced), step_s))
             self.fresh += 1
 
