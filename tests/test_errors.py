@@ -261,6 +261,16 @@ def test_a_local_looking_path_that_does_not_exist_is_not_sent_to_the_hub(tmp_pat
         resolve_source("runs/nope")
 
 
+@pytest.mark.parametrize("kind", ["dflash", "eagle3", "flexdraft"])
+def test_a_target_without_a_drafter_of_a_kind_says_how_to_get_one(tiny_llama, kind):
+    from bastion.compose import build
+
+    cfg = composed("target=tiny_llama", f"drafter={kind}")
+    with pytest.raises(ValueError, match=re.escape(f"Target tiny_llama names no {kind} drafter: train one with "
+                                                   f"`python train.py drafter={kind} target=tiny_llama` or set drafter.checkpoint=")):
+        build(cfg.drafter, target=tiny_llama)
+
+
 def test_a_missing_drafter_checkpoint_is_found_before_the_target_loads():
     from bastion.bench.cli import run
 
