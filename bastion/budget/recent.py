@@ -28,8 +28,8 @@ class RecentSteps:
         self.drafted: deque[tuple[float, float, float, float]] = deque(maxlen=4 * window)  # (draft s, other s, tokens per row, step s)
         self.ar_s: deque[float] = deque(maxlen=window)
         self.first = False  # the next step is a decode's first
-        self.retrying = False  # an AR stretch ran in this decode: only drafted steps since then count
-        self.fresh = 0  # drafted steps kept since the last stretch (or the decode's start)
+        self.retrying = False  # an AR stretch has run: only drafted steps since the last one count
+        self.fresh = 0  # drafted steps kept since the last stretch
 
     def reset(self) -> None:
         """A new decode: its first step, if drafted, will not be kept."""
