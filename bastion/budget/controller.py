@@ -63,12 +63,12 @@ class BastionBudget(Budget):
 
     def start(self, target, hardware: HardwareProfile, cache_dir: Path, draft_tokens: int = 0) -> None:
         """Build the latency model: probe-calibrated (cached), or the profile's prior alone."""
-        self.draft_tokens = draft_tokens
         if self.latency is None:
             if self.probe:
                 self.latency = calibrated(target, hardware, cache_dir)
             else:
                 self.latency = LatencyModel.from_profile(target.args, target.dtype, hardware)
+        super().start(target, hardware, cache_dir, draft_tokens)
 
     def reset(self) -> None:
         super().reset()
