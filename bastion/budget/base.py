@@ -4,9 +4,9 @@ every tree the policy built.
 Two decisions are shared by every budget and made here, so that one place decides whether a
 step drafts and how:
 - pausing drafting (`pause_drafting`): while drafting does not pay, by forecast until the
-  drafted steps are measured and then by their tokens per second against AR steps'
-  (recent.py), the next steps are AR steps (stretch.py: 8 at first, doubling while retries
-  fail);
+  drafted steps are measured and then, as soon as each is measured, by their tokens per
+  second against AR steps' (recent.py), the next steps are AR steps (stretch.py: 8 at
+  first, doubling while retries fail);
 - where a drafter that can also draft inside the verification forward (FlexDraft) drafts
   (`mode`): after it (sequential), inside it (parallel), or each step whichever the latency
   model predicts faster for the step's shapes (flex: the FlexDraft paper's flex decoding).
@@ -15,6 +15,7 @@ step drafts and how:
 from __future__ import annotations
 
 from pathlib import Path
+from statistics import median
 
 import numpy as np
 
@@ -68,11 +69,11 @@ class Budget:
         """The trees to verify: the policy's `trees`, cut to this step's budget (`contexts`:
         each row's cached tokens)."""
         if self.pause_drafting:
-            ar_s = self.recent.ar_step_s(float(self.predict(1, contexts)) + self.recent.other_s)
+            ar_s = self.ar_step_s(contexts)
             width = 1 + max(tree.n_nodes for tree in trees)
             cost = (self.draft_s(contexts) + float(self.predict(width, contexts)) + self.recent.other_s) / ar_s
             tokens = 1 + sum(tree.expected_accepted() for tree in trees) / len(trees)  # the drafter's belief
-            self.judge(tokens / cost, self.recent.step_s / ar_s if self.recent.drafted else cost, ar_s)
+            self.judge_forecast(tokens / cost, self.recent.step_s / ar_s if self.recent.drafted else cost)
         return trees
 
     def draft_s(self, contexts: list[int]) -> float:
@@ -84,18 +85,35 @@ class Budget:
             return self.recent.draft_s
         return float(self.predict(self.draft_tokens, contexts))
 
-    def judge(self, forecast: float | None, retry_cost: float, forecast_ar_s: float) -> None:
-        """With pause_drafting on: start an AR stretch when drafting does not pay, by realised
-        throughput once measured, else (not while retrying: a retry is measured) by the
-        `forecast` speedup (None: no judgement); a retry will cost `retry_cost` AR steps."""
-        if not self.pause_drafting:
+    def ar_step_s(self, contexts: list[int]) -> float:
+        """An AR step's time: the recent AR steps' median, before any the latency model's."""
+        if self.recent.ar_s:
+            return median(self.recent.ar_s)
+        return float(self.predict(1, contexts)) + self.recent.other_s
+
+    def judge_forecast(self, forecast: float | None, retry_cost: float) -> None:
+        """With pause_drafting on, before drafted steps judge (and not in a retry, which is
+        measured): start an AR stretch when the `forecast` speedup (None: no forecast) says
+        drafting does not pay; its retry will cost `retry_cost` AR steps. This step's draft is
+        spent, so its trees are still verified."""
+        if not self.pause_drafting or forecast is None or self.recent.retrying or self.recent.measured:
             return
-        realised = self.recent.speedup(forecast_ar_s)
-        pays = forecast if realised is None and not self.recent.retrying else realised
-        if pays is None:
-            return
-        if pays < 1:
+        if forecast < 1:
             self.stretch.failed(retry_cost=retry_cost)
+            self.recent.restart(pending=True)
+        else:
+            self.stretch.paid()
+
+    def judge_measured(self, contexts: list[int]) -> None:
+        """With pause_drafting on, after a drafted step is measured: start an AR stretch at once
+        when the recent drafted steps produced fewer tokens per second than AR steps, before
+        the next step spends a draft (a retry costs one drafted step, not two)."""
+        ar_s = self.ar_step_s(contexts)
+        realised = self.recent.speedup(ar_s)
+        if realised is None:
+            return
+        if realised < 1:
+            self.stretch.failed(retry_cost=self.recent.step_s / ar_s)
             self.recent.restart()
         elif not self.recent.retrying or self.recent.fresh >= self.recent.EVIDENCE:
             self.stretch.paid()
@@ -127,3 +145,5 @@ class Budget:
         """A measured step (engine.Step, drafted or AR) that ran `width` tokens per row after
         `contexts` cached ones."""
         self.recent.observe(step)
+        if self.pause_drafting and step.drafted:
+            self.judge_measured(contexts)

@@ -35,11 +35,11 @@ class RecentSteps:
         """A new decode: its first step, if drafted, will not be kept."""
         self.first = True
 
-    def restart(self) -> None:
-        """An AR stretch starts: what was drafted before it no longer judges drafting (the
-        drafted step that started it included: it is measured after this, and kept unless it
-        is the decode's first)."""
-        self.retrying, self.fresh = True, 0 if self.first else -1
+    def restart(self, pending: bool = False) -> None:
+        """An AR stretch starts: what was drafted before it no longer judges drafting. With
+        `pending`, the drafted step that started it (stopped by a forecast before it ran) is
+        measured after this, and kept unless it is the decode's first: it does not count either."""
+        self.retrying, self.fresh = True, -1 if pending and not self.first else 0
 
     def observe(self, step) -> None:
         """Keep a measured step (engine.Step, drafted or AR)."""
@@ -68,18 +68,22 @@ class RecentSteps:
     def step_s(self) -> float:
         return self.median(3)
 
-    def ar_step_s(self, forecast: float) -> float:
-        """An AR step's time: the recent AR steps' median, else `forecast`."""
-        return median(self.ar_s) if self.ar_s else forecast
+    def counted(self) -> int:
+        """The kept drafted steps that judge drafting: while retrying, those since the last stretch."""
+        return min(self.fresh, len(self.drafted)) if self.retrying else len(self.drafted)
 
-    def speedup(self, forecast_ar_s: float) -> float | None:
-        """Tokens per row per second of the recent drafted steps over AR's (an AR step yields
-        one token per row in ar_step_s); None before EVIDENCE such steps. While retrying, of
-        the steps since the last stretch, from the first: a retry that fails is stopped after
-        one measured step, while one that pays drafts on (a judgement needs EVIDENCE steps)."""
-        n = min(self.fresh, len(self.drafted)) if self.retrying else len(self.drafted)
-        if n < (1 if self.retrying else self.EVIDENCE):
+    @property
+    def measured(self) -> bool:
+        """Whether measured steps judge drafting: EVIDENCE of them, or while retrying one (a
+        retry that fails is stopped after one measured step, while one that pays drafts on:
+        a judgement that it pays needs EVIDENCE)."""
+        return self.counted() >= (1 if self.retrying else self.EVIDENCE)
+
+    def speedup(self, ar_s: float) -> float | None:
+        """Tokens per row per second of the counted drafted steps over AR steps' (one token per
+        row in `ar_s`); None until measured."""
+        if not self.measured:
             return None
-        last = list(self.drafted)[-n:]
-        tokens = sum(t for _, _, t, _ in last) / n
-        return tokens / median(s for *_, s in last[-self.window:]) * self.ar_step_s(forecast_ar_s)
+        last = list(self.drafted)[-self.counted():]
+        tokens = sum(t for _, _, t, _ in last) / len(last)
+        return tokens / median(s for *_, s in last[-self.window:]) * ar_s
