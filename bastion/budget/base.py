@@ -92,7 +92,7 @@ class Budget:
         return float(self.predict(1, contexts)) + self.recent.other_s
 
     def judge_forecast(self, forecast: float | None, retry_cost: float) -> None:
-        """With pause_drafting on, before drafted steps judge (and not in a retry, which is
+        """With pause_drafting on, until measured steps judge (and never in a retry, which is
         measured): start an AR stretch when the `forecast` speedup (None: no forecast) says
         drafting does not pay; its retry will cost `retry_cost` AR steps. This step's draft is
         spent, so its trees are still verified."""
