@@ -68,7 +68,7 @@ class Budget:
     def size(self, trees: list[DraftTree], contexts: list[int]) -> list[DraftTree]:
         """The trees to verify: the policy's `trees`, cut to this step's budget (`contexts`:
         each row's cached tokens)."""
-        if self.pause_drafting:
+        if self.forecast_judges:
             ar_s = self.ar_step_s(contexts)
             width = 1 + max(tree.n_nodes for tree in trees)
             cost = (self.draft_s(contexts) + float(self.predict(width, contexts)) + self.recent.other_s) / ar_s
@@ -91,12 +91,17 @@ class Budget:
             return median(self.recent.ar_s)
         return float(self.predict(1, contexts)) + self.recent.other_s
 
+    @property
+    def forecast_judges(self) -> bool:
+        """Whether a forecast judges drafting now: with pause_drafting on, until measured steps
+        judge, and never in a retry (which is measured)."""
+        return self.pause_drafting and not self.recent.retrying and not self.recent.measured
+
     def judge_forecast(self, forecast: float | None, retry_cost: float) -> None:
-        """With pause_drafting on, until measured steps judge (and never in a retry, which is
-        measured): start an AR stretch when the `forecast` speedup (None: no forecast) says
-        drafting does not pay; its retry will cost `retry_cost` AR steps. This step's draft is
-        spent, so its trees are still verified."""
-        if not self.pause_drafting or forecast is None or self.recent.retrying or self.recent.measured:
+        """Where a forecast judges: start an AR stretch when the `forecast` speedup (None: no
+        forecast) says drafting does not pay; its retry will cost `retry_cost` AR steps. This
+        step's draft is spent, so its trees are still verified."""
+        if forecast is None or not self.forecast_judges:
             return
         if forecast < 1:
             self.stretch.failed(retry_cost=retry_cost)
