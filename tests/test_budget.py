@@ -235,7 +235,7 @@ def test_drafting_stops_while_no_tree_beats_ar_and_is_retried():
     for _ in range(3):
         budget.observe(measured(0.025, nodes=0), [300], 1)  # AR steps: 25 ms
     assert retry(0.1) == 0  # 2 tokens in 100 ms: the retry fails once measured, before another draft is spent
-    second, retry_cost = budget.stretch.left, budget.recent.step_s / 0.025  # a drafted step measured at ~4 AR steps
+    second, retry_cost = budget.stretch.left, budget.recent.quickest_s / 0.025  # a drafted step measured at ~4 AR steps
     assert second == max(2 * first, math.ceil((retry_cost - 1) / budget.stretch.waste))  # doubled, and its retry wastes <= 5%
     assert [budget.drafts() for _ in range(second)] == [False] * (second - 1) + [True]
     assert retry(0.031) is None and budget.drafts()  # 2 tokens in 31 ms: drafting is back, whatever the forecast
@@ -247,6 +247,20 @@ def test_drafting_stops_while_no_tree_beats_ar_and_is_retried():
     for _ in range(left - 1):
         budget.observe(measured(0.025, nodes=0), [300], 1)
     assert retry(0.3) == 0  # the retry, its decode's first drafted step but not its first step, is judged once measured
+
+
+def test_a_burst_of_load_does_not_lengthen_the_stretch():
+    """Drafted steps that a burst of load slowed tenfold (every other one) judge that drafting
+    does not pay, yet the stretch is sized by what a retry costs on the quiet machine: 8 steps,
+    not the (median step / AR step - 1) / 5% the slow steps would ask for."""
+    budget = controller(TRUE_CPU)
+    for _ in range(3):
+        budget.observe(measured(0.025, nodes=0), [300], 1)  # AR steps: 25 ms
+    for n in range(budget.recent.EVIDENCE + 1):
+        budget.observe(measured(0.03 if n % 2 else 0.3, accepted=0.5, a_hat=0.5), [300], 2)
+        if budget.stretch.left:
+            break
+    assert budget.recent.step_s / 0.025 > 5 and budget.stretch.left == 8
 
 
 @pytest.mark.parametrize("budget_kind", ["bastion", "fixed"])

@@ -73,7 +73,7 @@ class Budget:
             width = 1 + max(tree.n_nodes for tree in trees)
             cost = (self.draft_s(contexts) + float(self.predict(width, contexts)) + self.recent.other_s) / ar_s
             tokens = 1 + sum(tree.expected_accepted() for tree in trees) / len(trees)  # the drafter's belief
-            self.judge_forecast(tokens / cost, self.recent.step_s / ar_s if self.recent.drafted else cost)
+            self.judge_forecast(tokens / cost, self.recent.quickest_s / ar_s if self.recent.drafted else cost)
         return trees
 
     def draft_s(self, contexts: list[int]) -> float:
@@ -118,7 +118,7 @@ class Budget:
         if realised is None:
             return
         if realised < 1:
-            self.stretch.failed(retry_cost=self.recent.step_s / ar_s)
+            self.stretch.failed(retry_cost=self.recent.quickest_s / ar_s)
             self.recent.restart()
         elif not self.recent.retrying or self.recent.fresh >= self.recent.EVIDENCE:
             self.stretch.paid()

@@ -68,6 +68,14 @@ class RecentSteps:
     def step_s(self) -> float:
         return self.median(3)
 
+    @property
+    def quickest_s(self) -> float:
+        """The quickest of the last `window` drafted steps: what a drafted step costs when
+        nothing else slows the machine (other work only ever adds time), the price of a retry
+        that an AR stretch is sized by. A median there let a burst of load that slowed half a
+        window's steps set stretches several times too long."""
+        return min(step[3] for step in list(self.drafted)[-self.window:])
+
     def counted(self) -> int:
         """The kept drafted steps that judge drafting: while retrying, those since the last stretch."""
         return min(self.fresh, len(self.drafted)) if self.retrying else len(self.drafted)

@@ -8,8 +8,9 @@ pays costs a vanishing share of steps, and one that starts paying is back within
 
 A retry is a drafted step, and where those are dear (a batch of 16 rows on a CPU: ~4.5 AR
 steps each) eight AR steps and a retry would lose a third of the stretch to the retry. So a
-stretch is also at least long enough that its retry, costing `retry_cost` AR steps (what the
-latency model predicts), wastes at most `waste` (5%) of the stretch: (retry_cost - 1) / waste.
+stretch is also at least long enough that its retry, costing `retry_cost` AR steps (the quickest
+recent drafted step's, or the forecast before one ran), wastes at most `waste` (5%) of the
+stretch: (retry_cost - 1) / waste.
 """
 
 from __future__ import annotations
