@@ -65,10 +65,6 @@ class RecentSteps:
         return self.median(1)
 
     @property
-    def step_s(self) -> float:
-        return self.median(3)
-
-    @property
     def quickest_s(self) -> float:
         """The quickest of the last `window` drafted steps: what a drafted step costs when
         nothing else slows the machine (other work only ever adds time), the price of a retry
