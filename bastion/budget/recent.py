@@ -53,8 +53,12 @@ class RecentSteps:
 
     def median(self, field: int) -> float:
         """Median of one field of the last `window` drafted steps (0 before any)."""
-        last = list(self.drafted)[-self.window:]
+        last = self.last_window()
         return median(step[field] for step in last) if last else 0.0
+
+    def last_window(self) -> list[tuple[float, float, float, float]]:
+        """The last `window` drafted steps."""
+        return list(self.drafted)[-self.window:]
 
     @property
     def draft_s(self) -> float:
@@ -70,7 +74,7 @@ class RecentSteps:
         nothing else slows the machine (other work only ever adds time), the price of a retry
         that an AR stretch is sized by. A median there let a burst of load that slowed half a
         window's steps set stretches several times too long."""
-        return min(step[3] for step in list(self.drafted)[-self.window:])
+        return min(step[3] for step in self.last_window())
 
     def counted(self) -> int:
         """The kept drafted steps that judge drafting: while retrying, those since the last stretch."""
