@@ -249,6 +249,30 @@ def test_drafting_stops_while_no_tree_beats_ar_and_is_retried():
     assert retry(0.3) == 0  # the retry, its decode's first drafted step but not its first step, is judged once measured
 
 
+@pytest.mark.parametrize("tokens, retry_stops", [((2, 5, 3, 6), False), ((1, 2, 1, 2), True)])
+def test_one_unlucky_retry_does_not_stop_a_drafter_that_pays(tokens, retry_stops):
+    """Drafted steps cost 3 AR steps. A drafter whose steps give 2-6 tokens (4 on average: it
+    pays 1.33x) retries after a stretch and its first step gives 2 tokens: within a standard
+    error of paying, so it drafts on and pays after EVIDENCE steps. One whose steps give 1-2
+    tokens is stopped by its first retry step, as before."""
+    budget = controller(TRUE_CPU)
+    for _ in range(3):
+        budget.observe(measured(0.025, nodes=0), [300], 1)  # AR steps: 25 ms
+    for t in tokens * 2:
+        budget.recent.drafted.append((0.03, 0.0, float(t), 0.075))  # drafted before the stretch: 75 ms each
+    budget.stretch.failed(retry_cost=3.0)
+    budget.recent.restart()
+    left = budget.stretch.left
+    assert [budget.drafts() for _ in range(left)] == [False] * (left - 1) + [True]  # the retry
+    budget.observe(measured(0.075, accepted=min(tokens) - 1.0), [300], 8)  # its first step: the drafter's fewest tokens
+    assert (budget.stretch.left > 0) == retry_stops
+    if not retry_stops:
+        for t in tokens[1:]:
+            budget.observe(measured(0.075, accepted=t - 1.0), [300], 8)
+            assert budget.drafts()
+        assert budget.stretch.next == budget.stretch.first  # judged to pay: the next stretch starts short again
+
+
 def test_a_burst_of_load_does_not_lengthen_the_stretch():
     """Drafted steps that a burst of load slowed tenfold (every other one) judge that drafting
     does not pay, yet the stretch is sized by what a retry costs on the quiet machine: 8 steps,

@@ -112,15 +112,18 @@ class Budget:
     def judge_measured(self, contexts: list[int]) -> None:
         """With pause_drafting on, after a drafted step is measured: start an AR stretch at once
         when the recent drafted steps produced fewer tokens per second than AR steps, before
-        the next step spends a draft (a retry costs one drafted step, not two)."""
+        the next step spends a draft. A retry's first steps stop drafting only where they
+        would not pay even one standard error of tokens per step luckier: tokens per step
+        vary several-fold, and one unlucky retry would double a stretch where drafting pays,
+        while a drafter that never pays varies little and is still stopped by its first."""
         ar_s = self.ar_step_s(contexts)
         realised = self.recent.speedup(ar_s)
         if realised is None:
             return
-        if realised < 1:
+        if realised < 1 and (self.recent.settled or self.recent.speedup(ar_s, doubt=1.0) < 1):
             self.stretch.failed(retry_cost=self.recent.quickest_s / ar_s)
             self.recent.restart()
-        elif not self.recent.retrying or self.recent.fresh >= self.recent.EVIDENCE:
+        elif realised >= 1 and self.recent.settled:
             self.stretch.paid()
 
     def parallel(self, width: int, tokens, contexts: list[int]) -> bool:

@@ -9,13 +9,15 @@ A retry later in the decode is kept (its drafter read the stretch's tokens step 
 
 After an AR stretch the steps drafted before it are stale evidence: a retry is judged on the
 drafted steps measured since the stretch alone, or the window's old steps would outvote it
-and stretches would only ever grow.
+and stretches would only ever grow. Only the spread of tokens per step, which says how much
+a few steps can be trusted rather than whether drafting pays, is taken from every kept step.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
-from statistics import median
+from statistics import median, stdev
 
 
 class RecentSteps:
@@ -83,15 +85,24 @@ class RecentSteps:
     @property
     def measured(self) -> bool:
         """Whether measured steps judge drafting: EVIDENCE of them, or while retrying one (a
-        retry that fails is stopped after one measured step, while one that pays drafts on:
-        a judgement that it pays needs EVIDENCE)."""
+        retry that clearly fails is stopped after one measured step, while one that may pay
+        drafts on: a judgement that it pays needs EVIDENCE, base.judge_measured)."""
         return self.counted() >= (1 if self.retrying else self.EVIDENCE)
 
-    def speedup(self, ar_s: float) -> float | None:
+    @property
+    def settled(self) -> bool:
+        """Whether EVIDENCE counted drafted steps judge drafting (a retry's first ones do not yet)."""
+        return self.counted() >= self.EVIDENCE
+
+    def speedup(self, ar_s: float, doubt: float = 0.0) -> float | None:
         """Tokens per row per second of the counted drafted steps over AR steps' (one token per
-        row in `ar_s`); None until measured."""
+        row in `ar_s`); None until measured. `doubt` standard errors are added to their mean
+        tokens, the spread of tokens per step taken from every kept drafted step: a bound on
+        what a retry's few steps could have shown."""
         if not self.measured:
             return None
         last = list(self.drafted)[-self.counted():]
         tokens = sum(t for _, _, t, _ in last) / len(last)
+        if doubt and len(self.drafted) > 1:
+            tokens += doubt * stdev(t for _, _, t, _ in self.drafted) / math.sqrt(len(last))
         return tokens / median(s for *_, s in last[-self.window:]) * ar_s
