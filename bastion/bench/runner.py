@@ -4,9 +4,11 @@ Fairness: every method (AR included) decodes the same prompts with the same targ
 same machine in the same run, after an untimed warm-up (a short decode of the first batch, at
 the run's batch size, by every method), with the device synchronised before each timer read
 (engine.py). Methods take turns batch by batch, so a machine that speeds up or slows down
-during a run (clocks, other tenants) shifts every method alike. Nothing is lost: a
-record is appended and flushed per prompt, and a rerun in the same directory skips what is
-already recorded with the same settings (rundir.py). At temperature > 0 each prompt's turn
+during a run (clocks, other tenants) more slowly than a round of turns shifts every method
+alike; quicker changes of pace are noise, which the A/A control row and the interval over
+batches show (metrics.py; experiments/NOTES.md measures how much on a shared CPU). Nothing
+is lost: a record is appended and flushed per prompt, and a rerun in the same directory skips
+what is already recorded with the same settings (rundir.py). At temperature > 0 each prompt's turn
 is sampled under a key of its own (its id and turn), so every method, batch size and rerun
 draws the same sample for it.
 """
