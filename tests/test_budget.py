@@ -273,6 +273,24 @@ def test_one_unlucky_retry_does_not_stop_a_drafter_that_pays(tokens, retry_stops
         assert budget.stretch.next == budget.stretch.first  # judged to pay: the next stretch starts short again
 
 
+def test_an_ar_step_is_measured_before_drafting_stops_on_a_forecast_of_one():
+    """Drafted steps give 3 tokens in 300 ms (their verify forwards as forecast). Priced by the
+    probe-fitted model (an AR step forecast at ~85 ms) they would not pay, so one AR step is measured first: at 120 ms they
+    pay 1.2x and drafting goes on; at 90 ms they do not, and drafting stops."""
+    def stops(ar_measured_s):
+        budget = controller(TRUE_CPU)
+        assert budget.ar_step_s([300]) == pytest.approx(0.085, abs=0.001)
+        drafted = measured(float(budget.predict(8, [300])), accepted=2.0, draft_s=0.175)  # 125 + 175 ms
+        for _ in range(budget.recent.EVIDENCE):
+            budget.observe(drafted, [300], 8)
+        assert [budget.drafts(), budget.drafts()] == [False, True] and budget.stretch.left == 0  # one AR step, then drafting
+        budget.observe(measured(ar_measured_s, nodes=0), [300], 1)
+        budget.observe(drafted, [300], 8)
+        return budget.stretch.left > 0
+
+    assert not stops(0.120) and stops(0.090)
+
+
 def test_a_burst_of_load_does_not_lengthen_the_stretch():
     """Drafted steps that a burst of load slowed tenfold (every other one) judge that drafting
     does not pay, yet the stretch is sized by what a retry costs on the quiet machine: 8 steps,

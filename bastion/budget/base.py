@@ -115,10 +115,15 @@ class Budget:
         the next step spends a draft. A retry's first steps stop drafting only where they
         would not pay even one standard error of tokens per step luckier: tokens per step
         vary several-fold, and one unlucky retry would double a stretch where drafting pays,
-        while a drafter that never pays varies little and is still stopped by its first."""
+        while a drafter that never pays varies little and is still stopped by its first. Before
+        any AR step is measured an AR step is priced by the probe, taken at another moment
+        of a machine whose pace drifts, so one AR step is measured before drafting stops."""
         ar_s = self.ar_step_s(contexts)
         realised = self.recent.speedup(ar_s)
         if realised is None:
+            return
+        if realised < 1 and not self.recent.ar_s:  # an AR step's time is still the latency model's (a probe's pace)
+            self.stretch.measure_ar()
             return
         if realised < 1 and (self.recent.settled or self.recent.speedup(ar_s, doubt=1.0) < 1):
             self.stretch.failed(retry_cost=self.recent.quickest_s / ar_s)

@@ -39,5 +39,10 @@ class ARStretch:
         self.left = min(max(self.next, floor), self.longest)
         self.next = min(2 * self.left, self.longest)
 
+    def measure_ar(self) -> None:
+        """One AR step, then draft again: the price of an AR step is measured, not forecast,
+        before a verdict rests on it."""
+        self.left = 2
+
     def paid(self) -> None:
         self.next = self.first
