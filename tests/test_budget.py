@@ -275,8 +275,9 @@ def test_one_unlucky_retry_does_not_stop_a_drafter_that_pays(tokens, retry_stops
 
 def test_an_ar_step_is_measured_before_drafting_stops_on_a_forecast_of_one():
     """Drafted steps give 3 tokens in 300 ms (their verify forwards as forecast). Priced by the
-    probe-fitted model (an AR step forecast at ~85 ms) they would not pay, so one AR step is measured first: at 120 ms they
-    pay 1.2x and drafting goes on; at 90 ms they do not, and drafting stops."""
+    probe-fitted model (an AR step forecast at ~85 ms) they would not pay, so one AR step is
+    measured first: at 120 ms they pay 1.2x and drafting goes on; at 90 ms they do not, and
+    drafting stops."""
     def stops(ar_measured_s):
         budget = controller(TRUE_CPU)
         assert budget.ar_step_s([300]) == pytest.approx(0.085, abs=0.001)
