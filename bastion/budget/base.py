@@ -122,14 +122,14 @@ class Budget:
         realised = self.recent.speedup(ar_s)
         if realised is None:
             return
-        if realised < 1 and not self.recent.ar_s:  # an AR step's time is still the latency model's (a probe's pace)
+        if realised >= 1:
+            if self.recent.settled:
+                self.stretch.paid()
+        elif not self.recent.ar_s:  # an AR step's time is still the latency model's (a probe's pace)
             self.stretch.measure_ar()
-            return
-        if realised < 1 and (self.recent.settled or self.recent.speedup(ar_s, doubt=1.0) < 1):
+        elif self.recent.settled or self.recent.speedup(ar_s, doubt=1.0) < 1:
             self.stretch.failed(retry_cost=self.recent.quickest_s / ar_s)
             self.recent.restart()
-        elif realised >= 1 and self.recent.settled:
-            self.stretch.paid()
 
     def parallel(self, width: int, tokens, contexts: list[int]) -> bool:
         """Draft inside this step's verification forward (one forward of width + inside tokens

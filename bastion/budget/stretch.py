@@ -42,7 +42,7 @@ class ARStretch:
     def measure_ar(self) -> None:
         """One AR step, then draft again: the price of an AR step is measured, not forecast,
         before a verdict rests on it."""
-        self.left = 2
+        self.left = 2  # skip(): an AR step, then the retry
 
     def paid(self) -> None:
         self.next = self.first
