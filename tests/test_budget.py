@@ -135,22 +135,56 @@ def stepped(n: int) -> float:
     return 0.020 + 0.004 * ((n - 1) // 4)
 
 
-def test_measured_sizes_correct_the_curve_and_the_controller_takes_a_steps_last_size():
-    """The curve cannot follow steps; sizes measured correct it (to their median), and a
-    controller that sees them stops at the last size a step pays for, not short of it."""
+@pytest.mark.parametrize("noise", [0.0, 0.01])
+def test_measured_sizes_correct_the_curve_and_the_controller_takes_a_steps_last_size(noise):
+    """The curve cannot follow steps; sizes measured correct it (to their median, through a
+    little timing noise), and a controller that sees them stops at the last size a step pays
+    for, not short of it."""
+    rng = np.random.default_rng(0)
     budget = controller(TRUE_CPU)
     model = budget.latency
     for n in range(1, 17):
         for _ in range(3):
-            model.observe_forward([n], [300], stepped(n))
+            model.observe_forward([n], [300], stepped(n) * math.exp(rng.normal(0, noise)))
     model.fit(fit_shape=True)
     sizes = np.arange(1, 17)[:, None]
     predicted = model.predict(sizes, np.full_like(sizes, 300))
-    np.testing.assert_allclose(predicted, [stepped(n) for n in range(1, 17)], rtol=1e-9)
+    np.testing.assert_allclose(predicted, [stepped(n) for n in range(1, 17)], rtol=1e-9 + 3 * noise)
     assert model.predict(np.array([[17]]), np.array([[300]]))[0] == model.predict(np.array([[17]]), np.array([[300]]), corrected=False)[0]
     budget.recent.drafted.append((0.0, 0.0, 2.0, 0.02))
     chosen = budget.size([chain(15, 0.9)], [300])[0].n_nodes + 1  # tokens forwarded: the root too
     assert chosen % 4 == 0  # the last size of its step
+
+
+def smooth(n: int) -> float:
+    """A verify time that grows smoothly with the tokens forwarded."""
+    return 0.020 + 0.002 * n
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_sizes_whose_corrections_are_noise_are_forecast_by_the_curve(seed, monkeypatch):
+    """Every size measured twice with 10% timing noise around a smooth cost: their medians are
+    noise, and a controller trusting them takes the size the noise made cheapest; shrunk, it
+    forecasts every size near its true cost and takes a size within 1% of the best."""
+    rng = np.random.default_rng(seed)
+    exact, noisy = controller(TRUE_CPU), controller(TRUE_CPU)
+    for n in range(1, 17):
+        for _ in range(2):
+            exact.latency.observe_forward([n], [300], smooth(n))
+            noisy.latency.observe_forward([n], [300], smooth(n) * math.exp(rng.normal(0, 0.1)))
+    tree = chain(15, 0.9)
+    for budget in (exact, noisy):
+        budget.latency.fit(fit_shape=True)
+        budget.recent.drafted.append((0.0, 0.0, 2.0, 0.02))
+    *_, true_speedup = exact.curve([tree], [300])
+    sizes = np.arange(1, 17)[:, None]
+    error = np.log(noisy.latency.predict(sizes, np.full_like(sizes, 300)) / [smooth(n) for n in range(1, 17)])
+    assert np.abs(error).mean() < 0.04
+    assert true_speedup[noisy.size([tree], [300])[0].n_nodes] >= 0.99 * true_speedup.max()
+    monkeypatch.setattr(bastion.budget.latency, "shrunk", lambda residuals: np.array([np.median(r) for r in residuals]))
+    noisy.latency.correct()  # unshrunk medians: the noise itself
+    raw = np.log(noisy.latency.predict(sizes, np.full_like(sizes, 300)) / [smooth(n) for n in range(1, 17)])
+    assert np.abs(raw).mean() > max(1.5 * np.abs(error).mean(), 0.04)
 
 
 @pytest.mark.parametrize("drift", [1.4, 0.7])

@@ -15,7 +15,8 @@ Matmul kernels do not cost what a smooth curve says: they work in tiles, so a fo
 or 8 tokens can cost the same and 9 a step more (CPU and GPU alike). A controller reading a
 smooth curve picks sizes on the low side of such a step, paying for tokens it does not verify.
 So each forward size the model has seen measured (the probe covers every size up to 16)
-keeps a correction: the median log ratio of its measured times to the curve's.
+keeps a correction: the median log ratio of its measured times to the curve's, shrunk towards
+the curve as far as the spread of repeated measurements says it could be noise.
 
 A cached probe was taken on another day, and a machine's pace drifts between runs (another
 process, clocks, the host's load): the probe's times then all sit above or below today's by
@@ -146,14 +147,17 @@ class LatencyModel:
         self.correct()
 
     def correct(self) -> None:
-        """Each measured size's correction against the current curve: the median over its last
-        SIZE_POINTS times, the probe's (at the probe's level) first."""
-        correction = np.zeros(max([*self.by_size, *self.probed], default=-1) + 1)
+        """Each measured size's correction against the current curve: the median of the log
+        ratios of its last SIZE_POINTS times (the probe's, at the probe's level, first) to the
+        curve, shrunk towards the curve as far as it could be noise (`shrunk`)."""
+        residuals = {}  # size -> [points] log(measured / curve)
         for size in {*self.by_size, *self.probed}:
             probed = [(*self.probed[size], self.level)] if size in self.probed else []
             kept = probed + [(*point, 0.0) for point in self.by_size.get(size, [])]
             flops, moved, seconds, level = map(np.asarray, zip(*kept[-SIZE_POINTS:]))
-            correction[size] = np.median(np.log(seconds) - level - np.log(self._predict(self.theta, flops, moved)))
+            residuals[size] = np.log(seconds) - level - np.log(self._predict(self.theta, flops, moved))
+        correction = np.zeros(max(residuals, default=-1) + 1)
+        correction[list(residuals)] = shrunk(list(residuals.values()))
         self.correction = correction
 
     def distinct_sizes(self) -> int:
@@ -170,6 +174,30 @@ class LatencyModel:
         kept = self.by_size.setdefault(int(sum(new_tokens)), [])
         kept.append((float(flops), float(moved), seconds))
         del kept[:-SIZE_POINTS]
+
+
+def shrunk(residuals: list[np.ndarray]) -> np.ndarray:
+    """Corrections [sizes] from each size's log ratios of measured times to the curve: their
+    medians, shrunk towards 0 (the curve) by how much of their spread across sizes the noise
+    of a few measurements explains (empirical Bayes: a median m of k times, each `noise`
+    apart from its size's true cost, has variance v = noise^2 pi / 2k, true corrections
+    spread tau^2 = mean(m^2) - mean(v), and m is shrunk to m tau^2 / (tau^2 + v)).
+
+    The controller takes the size with the best forecast, so among sizes whose corrections are
+    noise it takes the one the noise favoured most (the optimizer's curse): on a CPU whose pace
+    drifts, probe points 10-20% off made it verify trees whose forwards cost more than it
+    believed, above sizes that paid (experiments/NOTES.md). Kernels' real steps, measured alike
+    each time, spread the corrections far beyond the noise and are kept.
+
+    The noise of one time is pooled over sizes measured more than once, from the differences of
+    a size's successive times (median |difference| / 0.6745 / sqrt 2: a burst of load does not
+    set it); 0, no shrinking, until some size is measured twice."""
+    gaps = np.abs(np.concatenate([np.diff(r) for r in residuals if len(r) > 1] or [np.zeros(0)]))
+    noise = float(np.median(gaps)) / 0.6745 / math.sqrt(2) if len(gaps) else 0.0
+    medians = np.array([np.median(r) for r in residuals])
+    variance = noise**2 * math.pi / 2 / np.array([len(r) for r in residuals])
+    spread = max(0.0, float(np.mean(medians**2 - variance))) if len(medians) else 0.0
+    return medians * np.divide(spread, spread + variance, out=np.ones_like(variance), where=spread + variance > 0)
 
 
 def probe(target, model: LatencyModel, sizes=PROBE_SIZES, context: int = 256, repeats: int = 3, attempts: int = 2) -> None:
