@@ -64,6 +64,16 @@ def test_prepack_keeps_tied_weights_and_skips_float64(tiny_qwen3):
         assert target.model.lm_head.weight is target.model.embed_tokens.weight
 
 
+def test_bfloat16_is_packed_only_where_onednn_has_bf16_kernels():
+    """An AMD EPYC Zen 3 has no AVX-512: oneDNN refuses to pack bf16 there, so the model stays
+    dense and still runs (the CI machine hit that refusal)."""
+    layer = prepack_linears(nn.Sequential(nn.Linear(16, 8)).to(torch.bfloat16))
+    expected = "packed" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "dense"
+    assert linear_kernels(layer) == expected
+    with torch.inference_mode():
+        assert layer(torch.randn(2, 16, dtype=torch.bfloat16)).shape == (2, 8)
+
+
 def test_decoding_with_packed_weights_is_lossless():
     """float32 tiny target, packed: every tree size reproduces AR decoding on the same kernels."""
     target = load_target(**target_config("tiny_qwen3", dtype="float32"))

@@ -14,7 +14,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 ROWS_HINT = 8  # the input row count oneDNN picks its packed layout for; any count runs
 
 
@@ -56,9 +55,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None, b
 
 
 def can_pack(module: nn.Module) -> bool:
+    """oneDNN packs float32 on any CPU, bfloat16 only where it has bf16 instructions (AVX-512 BF16
+    or AVX-NE-CONVERT: not on an AMD EPYC Zen 3, for instance)."""
     weight = next(module.parameters(), None)
-    return (weight is not None and weight.device.type == "cpu" and weight.dtype in PACKABLE_DTYPES
-            and torch.backends.mkldnn.is_available())
+    if weight is None or weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    return weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def prepack_linears(module: nn.Module) -> nn.Module:
