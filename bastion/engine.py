@@ -218,7 +218,8 @@ def _step(m: _Method, batch: _Batch) -> Step:
         trees, draft_probs = [DraftTree.root_only(seq[-1]) for seq in ctx.sequences], None
     else:
         trees, draft_probs = _draft_trees(m, proposal, contexts)
-    tokens, depths, tree_mask, parents = pack(trees, device)
+    depth = 0 if proposal is None else proposal.depth  # no tree is deeper
+    tokens, depths, tree_mask, parents = pack(trees, device, depth)
     t2 = clock.mark()
     if proposal is None:
         hidden, features = m.target.forward(tokens, depths, tree_mask, cache, m.capture)
@@ -228,7 +229,7 @@ def _step(m: _Method, batch: _Batch) -> Step:
         hidden, features, width = m.drafter.verify_forward(m.target, cache, trees, tokens, depths, tree_mask, m.capture, parallel)
     scores = _scores(m, batch, hidden, depths)
     t3 = clock.mark()
-    verdicts = _verify(m, scores, trees, tokens, depths, parents, draft_probs)  # waits for the device once
+    verdicts = _verify(m, scores, trees, tokens, depths, parents, depth, draft_probs)  # waits for the device once
     paths = [v.path for v in verdicts]
     cache.commit(paths)
     if proposal is not None:
@@ -276,11 +277,11 @@ def _scores(m: _Method, batch: _Batch, hidden: torch.Tensor, depths: torch.Tenso
 
 
 def _verify(m: _Method, scores: torch.Tensor, trees: list[DraftTree], tokens: torch.Tensor, depths: torch.Tensor,
-            parents: torch.Tensor, draft_probs):
+            parents: torch.Tensor, depth: int, draft_probs):
     """Each row's accepted path and new tokens: the deepest node the target's choices agree
     with, or by rejection sampling of sampled children."""
     if m.sampling.keyed:  # greedy included
-        return verify_greedy(scores, trees, tokens, depths, parents)
+        return verify_greedy(scores, trees, tokens, depths, parents, depth)
     return verify_sampled(scores, trees, m.sampling, m.generator, draft_probs)
 
 

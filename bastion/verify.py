@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from bastion.sampling import Sampling
-from bastion.tree.draft_tree import DraftTree
+from bastion.tree.draft_tree import DraftTree, doubling_rounds
 
 
 @dataclass
@@ -19,19 +19,19 @@ class Verdict:
 
 
 def verify_greedy(choice: torch.Tensor, trees: list[DraftTree], tokens: torch.Tensor, depths: torch.Tensor,
-                  parents: torch.Tensor) -> list[Verdict]:
+                  parents: torch.Tensor, depth: int | None = None) -> list[Verdict]:
     """Accept the deepest node whose every ancestor's token is the target's choice after its
     parent (the argmax of logits, or of keyed scores at T > 0); the choice after it is the
     bonus token. choice, tokens, depths, parents: [B, M] (pack's; padding slots are roots).
 
     Decided on the device for every node at once (whether a node's whole path matched, by
-    pointer doubling up the parents: log2 M rounds of [B, M] ops), then one transfer of each
+    pointer doubling up the parents: log2 of the trees' `depth` (or M) rounds of [B, M] ops), then one transfer of each
     row's deepest accepted node and bonus token: a step waits for the device once, whatever
     the trees' size."""
     B, M = parents.shape
     up = torch.where(parents < 0, torch.arange(M, device=parents.device).expand(B, M), parents)  # a root points to itself
     accepted = (tokens == choice.gather(1, up)) | (parents < 0)  # [B, M]: so far, the node itself matched
-    for _ in range(max(M - 1, 1).bit_length()):
+    for _ in range(doubling_rounds(M - 1 if depth is None else depth)):
         accepted = accepted & accepted.gather(1, up)
         up = up.gather(1, up)
     deepest = (depths * accepted).argmax(-1)  # [B]; the first such node, should siblings repeat a token

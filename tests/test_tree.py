@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from bastion.tree.best_first import best_first
+from bastion.tree.best_first import best_first, ranked
 from bastion.tree.chain import chain
 from bastion.tree.draft_tree import DraftTree, pack
+from bastion.verify import verify_greedy
 from bastion.tree.proposal import BlockProposal
 
 #        0(root)
@@ -68,6 +69,37 @@ def test_packed_masks_and_depths_of_big_trees_match_the_trees_own(seed):
             expected[i, tree.path(i)] = True
         assert torch.equal(mask[b, :n, :n], expected) and depths[b, :n].tolist() == list(tree.depths)
         assert not mask[b, n:, :n].any() and not mask[b, :n, n:].any() and depths[b, n:].eq(0).all()
+
+
+def test_trees_of_a_known_depth_pack_and_verify_in_fewer_rounds():
+    """Pointer doubling bounded by the trees' depth (5 rounds for depth 16, where M = 300 would
+    take 9) builds the same masks and accepts the same paths; a depth below the trees' own
+    leaves out their deepest ancestors (so the bound is what decides the rounds)."""
+    rng = np.random.default_rng(0)
+    trees = []
+    for n in (300, 90):  # random trees no deeper than 16
+        parents, depths = [-1], [0]
+        for i in range(1, n):
+            open_ = [j for j in range(i) if depths[j] < 16]
+            p = open_[-1] if rng.random() < 0.5 else int(rng.choice(open_))  # often the latest: deep chains
+            parents.append(p)
+            depths.append(depths[p] + 1)
+        trees.append(DraftTree(tuple(int(t) for t in rng.integers(0, 5, n)), tuple(parents), (0.0,) * n))
+    assert max(max(t.depths) for t in trees) == 16
+    full, bounded = pack(trees, "cpu"), pack(trees, "cpu", 16)
+    assert all(torch.equal(a, b) for a, b in zip(full, bounded))
+    tokens, depths, _, parents = full
+    choice = torch.from_numpy(rng.integers(0, 5, tokens.shape))
+    assert verify_greedy(choice, trees, tokens, depths, parents, 16) == verify_greedy(choice, trees, tokens, depths, parents)
+    assert not torch.equal(pack(trees, "cpu", 7)[2], full[2])
+
+
+def test_ranked_is_a_stable_descending_sort():
+    """Exactly a stable sort's first n: ties (0.0 and -0.0 among them) to the lower column, -inf last."""
+    scores = torch.randn(4, 300, generator=torch.Generator().manual_seed(0)).round(decimals=1)  # many ties
+    scores[:, ::7], scores[:, 1::11], scores[:, 2::13] = 0.0, -0.0, -math.inf
+    for n in (1, 100, 300):
+        assert torch.equal(ranked(scores, n), torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :n])
 
 
 def test_tree_rejects_children_before_parents():

@@ -36,16 +36,15 @@ def best_first(proposal: BlockProposal | TreeProposal, max_nodes: int) -> list[D
     # candidates, the root first, then each depth's beam: path score, parent candidate, token
     scores, parents = [logprobs.new_zeros(B, 1)], [torch.full((B, 1), -1, device=device)]
     tokens = [torch.tensor(proposal.roots, device=device)[:, None]]
-    beam_scores, beam_ids, n_seen = scores[0], torch.zeros(B, 1, dtype=torch.long, device=device), 1
+    beam_scores, beam_start, n_seen = scores[0], 0, 1  # the beam above: its scores, its first candidate
     for depth in range(K):
         slot, rank = _contenders(beam_scores.shape[1], k, max_nodes, device)  # [C] each
         children = beam_scores.index_select(1, slot) + logprobs[:, depth].index_select(1, rank)  # [B, C]
         top = children.topk(min(max_nodes, len(slot)), dim=1)  # sorted: the beam of this depth
         scores.append(top.values)
-        parents.append(beam_ids.gather(1, slot[top.indices]))
-        tokens.append(proposal.tokens[:, depth].gather(1, rank[top.indices]))
-        beam_scores, n_seen = top.values, n_seen + top.values.shape[1]
-        beam_ids = torch.arange(n_seen - top.values.shape[1], n_seen, device=device).expand(B, -1)
+        parents.append(slot.take(top.indices) + beam_start)
+        tokens.append(proposal.tokens[:, depth].gather(1, rank.take(top.indices)))
+        beam_scores, beam_start, n_seen = top.values, n_seen, n_seen + top.values.shape[1]
     return best_nodes(torch.cat(scores, 1), torch.cat(parents, 1), torch.cat(tokens, 1), max_nodes)
 
 
@@ -53,9 +52,9 @@ def best_nodes(scores: torch.Tensor, parents: torch.Tensor, tokens: torch.Tensor
     """The root and the max_nodes candidates of highest path score, best first, as trees.
     scores, parents, tokens: [B, C] candidates, the root (column 0) and every parent before
     its children; a child never scores above its parent, so the picks are prefix-closed."""
-    B, device = scores.shape[0], scores.device
+    (B, C), device = scores.shape, scores.device
     scores = scores.to(torch.promote_types(scores.dtype, torch.float32))
-    order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, : max(max_nodes, 0) + 1]  # ties: parents first
+    order = ranked(scores, min(max(max_nodes, 0) + 1, C))  # ties: parents first
     place = torch.full_like(tokens, -1).scatter_(1, order, torch.arange(order.shape[1], device=device).expand(B, -1))  # candidate -> node
     parent = parents.gather(1, order)
     node_parents = torch.where(parent < 0, parent, place.gather(1, parent.clamp_min(0)))
@@ -68,6 +67,18 @@ def best_nodes(scores: torch.Tensor, parents: torch.Tensor, tokens: torch.Tensor
         # candidates of -inf log-probability are no candidates (they sort last)
         trees.append(DraftTree(tuple(row[0][:n]), tuple(row[1][:n]), tuple(row_logq[:n])))
     return trees
+
+
+def ranked(scores: torch.Tensor, n: int) -> torch.Tensor:
+    """The columns of the n highest scores [B, C] per row, best first, ties to the lower column:
+    a stable descending sort's first n, from one topk over int64 keys that hold each score's
+    float32 order above its column's complement (a full sort of every beam's candidates cost
+    several times more). Scores are ranked as float32: finer differences count as ties."""
+    C = scores.shape[1]
+    bits = (scores.float() + 0.0).view(torch.int32)  # + 0.0 turns -0.0 into 0.0, which ties with it
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats' magnitude bits flipped: ints in the floats' order
+    keys = ordered.long() << 32 | (C - 1 - torch.arange(C, device=scores.device))
+    return keys.topk(n, dim=1).indices
 
 
 @cache

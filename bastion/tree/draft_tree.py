@@ -58,7 +58,7 @@ class DraftTree:
     def expected_accepted(self) -> float:
         """A_hat: the sum of the nodes' path probabilities, BASTION's surrogate for the number of
         draft tokens a verification accepts."""
-        return sum(math.exp(s) for s in self.logq[1:])
+        return sum(map(math.exp, self.logq[1:]))
 
     def truncate(self, n_nodes: int) -> DraftTree:
         if n_nodes >= self.n_nodes:
@@ -84,18 +84,20 @@ BITS = 64  # ancestor bits per int64 word
 
 @cache
 def _bit_table(device) -> torch.Tensor:
-    """[256, 8] bool: the bits of each byte value, lowest first."""
-    return (torch.arange(256, device=device)[:, None] >> torch.arange(8, device=device) & 1).bool()
+    """[256] int64: the bits of each byte value as 8 bool bytes, lowest first (one int64 per
+    byte value, so unpacking is one `take` of 8-byte words, not a copy of 8-byte rows)."""
+    return (torch.arange(256, device=device)[:, None] >> torch.arange(8, device=device) & 1).bool().view(torch.int64)[:, 0]
 
 
-def ancestor_masks(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def ancestor_masks(parents: torch.Tensor, depth: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """parents [B, M] (-1: a root, or a padding slot) -> the masks [B, M, M] bool, True where j
     is i or an ancestor of i, and the depths [B, M]. Pointer doubling: after round r every node
     holds its ancestors up to 2^r - 1 levels up (and how many levels up it now points), so
-    ceil(log2 M) rounds of whole-tensor ops build any tree, with no per-node work and no look
-    at the values on the host. The rounds merge ancestor sets packed 64 to an int64 word, 64x
-    less data than bool rows (6x faster at M=257 on a CPU), unpacked a byte at a time through
-    a table (little-endian bytes, as on every CPU and GPU torch runs on)."""
+    doubling_rounds(depth) rounds of whole-tensor ops build trees no deeper than `depth` (any
+    tree: M - 1), with no per-node work and no look at the values on the host. The rounds
+    merge ancestor sets packed 64 to an int64 word, 64x less data than bool rows (6x faster at
+    M=257 on a CPU), unpacked a byte at a time through a table (little-endian bytes, as on
+    every CPU and GPU torch runs on)."""
     B, M = parents.shape
     device = parents.device
     slots = torch.arange(M, device=device)
@@ -104,16 +106,22 @@ def ancestor_masks(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     words = torch.zeros(M, -(-M // BITS), dtype=torch.long, device=device)
     words[slots, slots // BITS] = 1 << (slots % BITS)  # each node is its own ancestor (bit 63 is the sign bit: fine for |)
     words = words.repeat(B, 1, 1)  # [B, M, W]
-    for _ in range(max(M - 1, 1).bit_length()):
+    for _ in range(doubling_rounds(M - 1 if depth is None else depth)):
         words |= words.gather(1, jump[:, :, None].expand_as(words))
         levels = levels + levels.gather(1, jump)
         jump = jump.gather(1, jump)
-    masks = _bit_table(device).index_select(0, words.view(torch.uint8).flatten().long()).view(B, M, -1)[:, :, :M]  # bytes [B, M, 8W] -> [B, M, M]
+    masks = _bit_table(device).take(words.view(torch.uint8).long()).view(torch.bool).view(B, M, -1)[:, :, :M]  # bytes [B, M, 8W] -> [B, M, M]
     return masks, levels
 
 
-def pack(trees: list[DraftTree], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Stack trees of different sizes for one target forward.
+def doubling_rounds(depth: int) -> int:
+    """Pointer-doubling rounds that reach every ancestor in trees no deeper than `depth`
+    (2^r - 1 >= depth): 5 for a 16-token block's trees, where ceil(log2 M) would be 9 at M=257."""
+    return max(depth, 1).bit_length()
+
+
+def pack(trees: list[DraftTree], device, depth: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Stack trees of different sizes (none deeper than `depth`, when given) for one target forward.
 
     Returns tokens [B, M], depths [B, M], the tree mask [B, M, M] and parents [B, M] (-1 at
     the roots), M = largest 1+N. Padding slots are roots that see only themselves (so no
@@ -123,5 +131,5 @@ def pack(trees: list[DraftTree], device) -> tuple[torch.Tensor, torch.Tensor, to
     width = max(len(t.tokens) for t in trees)
     rows = np.array([[*t.tokens, *[0] * (width - len(t.tokens)), *t.parents, *[-1] * (width - len(t.tokens))] for t in trees])
     tokens, parents = torch.from_numpy(rows).to(device, non_blocking=True).view(len(trees), 2, width).unbind(1)
-    mask, depths = ancestor_masks(parents)
+    mask, depths = ancestor_masks(parents, depth)
     return tokens, depths, mask, parents

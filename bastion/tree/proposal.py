@@ -25,7 +25,8 @@ class BlockProposal:
     logits: torch.Tensor | None = None  # [B, K, V] full draft logits, when the drafter has them
 
     @property
-    def block_size(self) -> int:
+    def depth(self) -> int:
+        """The deepest node a tree drawn from it can have: K."""
         return self.tokens.shape[1]
 
     def on_host(self) -> tuple[list, list]:
@@ -58,7 +59,7 @@ class TreeProposal:
     parents: torch.Tensor  # [B, C] index of each candidate's parent (-1: the root)
     logq: torch.Tensor  # [B, C] draft log-probability of the path root -> candidate (root: 0; -inf: no candidate)
     ranks: torch.Tensor  # [B, C] rank among its siblings, 0 for the drafter's top choice
-    depth: int  # the deepest candidates' depth (the draft steps that grew them)
+    depth: int  # the deepest candidates' depth (the draft steps that grew them): the deepest node a tree drawn from it can have
 
 
 def top_candidates(logits: torch.Tensor, roots: list[int], k: int) -> BlockProposal:
