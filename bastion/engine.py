@@ -13,6 +13,7 @@ import torch
 
 from bastion.budget.base import Budget
 from bastion.drafters.base import DraftContext, Drafter
+from bastion.models.dynamo import compiled_graphs
 from bastion.models.kv_cache import KVCache, fill_holes
 from bastion.models.target import Target
 from bastion.models.timer import Clock, now
@@ -37,7 +38,7 @@ class Step:
     other_s: float
     predicted_verify_s: float | None = None  # the budget controller's forecast of verify_s
     drafted: bool = False  # False: an AR step (the budget or the drafter chose not to draft)
-    compiled: bool = False  # a forward of this step met a new shape and compiled (decode.compile): its times are not the method's
+    compiled: bool = False  # torch.compile built a graph during this step (decode.compile, flex): its times are not the method's
 
 
 @dataclass
@@ -203,7 +204,7 @@ def _step(m: _Method, batch: _Batch) -> Step:
     accept, commit the KV cache, and let finished rows leave the batch."""
     device, ctx, cache, clock = m.target.device, batch.ctx, batch.cache, m.clock
     t0 = clock.mark()
-    shapes = len(m.target.compiled_shapes)
+    graphs = compiled_graphs()
     proposal = None
     if m.drafter is not None:
         if m.budget.drafts():
@@ -246,7 +247,7 @@ def _step(m: _Method, batch: _Batch) -> Step:
                 draft_s=clock.seconds(t0, t1), verify_s=clock.seconds(t2, t3),
                 other_s=clock.seconds(t1, t2) + clock.seconds(t3, t4),
                 predicted_verify_s=m.budget.predicted_s if proposal is not None else None, drafted=proposal is not None,
-                compiled=len(m.target.compiled_shapes) > shapes)
+                compiled=compiled_graphs() > graphs)
     if m.drafter is not None and not step.compiled:  # a compiling step's times would mislead the budget's forecasts
         m.budget.observe(step, contexts, width)  # width: what ran, the trees plus parallel drafting's mask groups
         step.other_s += clock.seconds(t4, clock.mark())  # the controller's own refits are part of the step

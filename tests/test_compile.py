@@ -4,10 +4,12 @@ over bucketed shapes decodes exactly AR's tokens."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from bastion.budget.fixed import FixedBudget
 from bastion.budget.latency import probe_times
 from bastion.engine import generate
+from bastion.models.dynamo import RECOMPILES
 from bastion.models.target import compile_forward
 from bastion.tree.best_first import best_first
 from tests.helpers import OracleDrafter, ar_outputs
@@ -37,3 +39,28 @@ def test_compiled_decoding_gives_ar_tokens(tiny_qwen3):
     assert budget.seen == [s for s in decoding.steps if not s.compiled]
     assert any(n > 1 for s in decoding.steps for n in s.produced), "no draft was accepted: the trees were not exercised"
     assert len(probe_times(compiled, [3], context=8, repeats=1)[0]) == 1  # the probe sizes its cache for the bucket of 3
+    assert torch._dynamo.config.recompile_limit >= RECOMPILES  # past torch's 8 graphs a function would silently run eagerly
+
+
+def test_a_step_during_which_anything_compiles_is_left_out_of_the_budget(tiny_qwen3):
+    """Not only the target's captured forward: a graph torch.compile builds for anything during a
+    step (FlexAttention's kernels on their first shapes, a drafter's) makes the step's times a
+    compiler's."""
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6]]
+    expected = ar_outputs(tiny_qwen3, prompts, 16)
+    oracle = OracleDrafter(dict(zip(map(tuple, prompts), expected)), vocab=49152)
+    first_use = torch.compile(lambda x: x + 1, backend="eager")
+    propose, calls = oracle.propose, []
+
+    def compiling_on_the_third_step(ctx):
+        calls.append(ctx)
+        if len(calls) == 3:
+            first_use(torch.ones(3))
+        return propose(ctx)
+
+    oracle.propose = compiling_on_the_third_step
+    budget = ObservingBudget(2)
+    decoding = generate(tiny_qwen3, prompts, drafter=oracle, policy=best_first, budget=budget, max_new_tokens=16)
+    assert [g.tokens for g in decoding.generations] == expected
+    assert [s.compiled for s in decoding.steps] == [i == 2 for i in range(len(decoding.steps))]
+    assert budget.seen == [s for i, s in enumerate(decoding.steps) if i != 2]

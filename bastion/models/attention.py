@@ -22,6 +22,8 @@ from functools import cache, cached_property
 import torch
 import torch.nn.functional as F
 
+from bastion.models.dynamo import allow_recompiles
+
 KERNELS = ("sdpa", "flex", "triton")
 
 
@@ -103,4 +105,6 @@ def _flex(device_type: str):
     compiles per shape (its default kernel is sdpa anyway)."""
     from torch.nn.attention.flex_attention import flex_attention
 
+    allow_recompiles()
     return torch.compile(flex_attention, dynamic=device_type == "cuda")
+

@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 
 from bastion.files import read_json
 from bastion.models.attention import choose_kernel
+from bastion.models.dynamo import allow_recompiles
 from bastion.models.kv_cache import KVCache
 from bastion.models.loading import resolve_source
 from bastion.models.transformer import ModelArgs, Rotary, Transformer
@@ -35,7 +36,6 @@ class Target:
     chat_args: dict = field(default_factory=dict)  # the chat template's keyword arguments (Qwen3: enable_thinking)
     attention: str = "sdpa"  # the attention kernel of its forwards (models/attention.py)
     compiled: object | None = None  # decode.compile: the captured forward (compile_forward), else None
-    compiled_shapes: set = field(default_factory=set)  # the shapes its captured forward has run (each compiled once)
 
     @property
     def args(self) -> ModelArgs:
@@ -74,8 +74,6 @@ class Target:
                 tree_mask = padded
         write_pos, layout = cache.prepare(width, tree_mask, key_bucket=1 if self.compiled is None else KEY_BUCKET)
         forward = self.model if self.compiled is None else self.compiled
-        if self.compiled is not None:
-            self.compiled_shapes.add((len(tokens), width, layout.n_keys, tree_mask is None, capture))
         hidden, features = forward(tokens, layout.prefix[:, None] + depths, layout, cache, write_pos, capture)
         return hidden[:, :n], None if features is None else features[:, :n]
 
@@ -127,8 +125,8 @@ def compile_forward(target: Target) -> Target:
     per batch size, token bucket and key bucket. Not CUDA graphs yet: the forward writes the KV
     cache in place, and torch replays graphs only over inputs at fixed addresses, which the
     cache's buffers are not once finished rows leave (KVCache.keep_rows)."""
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
-    return replace(target, compiled=torch.compile(target.model, dynamic=False), compiled_shapes=set())
+    allow_recompiles()
+    return replace(target, compiled=torch.compile(target.model, dynamic=False))
 
 
 def load_target(
