@@ -17,6 +17,7 @@ from bastion.models.dynamo import compiled_graphs
 from bastion.models.kv_cache import KVCache, fill_holes
 from bastion.models.target import Target
 from bastion.models.timer import Clock, now
+from bastion.models.transfer import to_device
 from bastion.recorder import Recorder
 from bastion.sampling import GREEDY, Sampling
 from bastion.tree.draft_tree import DraftTree, pack
@@ -273,7 +274,7 @@ def _scores(m: _Method, batch: _Batch, hidden: torch.Tensor, depths: torch.Tenso
     logits = m.target.logits(hidden)
     if not m.sampling.keyed:
         return logits
-    start = torch.tensor([len(batch.decoding.generations[i].tokens) for i in batch.active], device=logits.device)  # [B] output position after each root
+    start = to_device([len(batch.decoding.generations[i].tokens) for i in batch.active], logits.device)  # [B] output position after each root
     return m.sampling.scores(logits, m.seed, m.keys[batch.active], start, depths).argmax(-1)
 
 
@@ -333,7 +334,7 @@ def _chunk_ends(lengths: list[int], slack: float) -> list[int]:
 def _gather_paths(features: torch.Tensor, paths: list[list[int]]) -> torch.Tensor:
     """features [B, M, F] -> the accepted paths' features [B, A, F], right-padded."""
     width = max(len(p) for p in paths)
-    index = torch.tensor([p + [p[-1]] * (width - len(p)) for p in paths], device=features.device)
+    index = to_device([p + [p[-1]] * (width - len(p)) for p in paths], features.device)
     return features.gather(1, index[:, :, None].expand(-1, -1, features.shape[-1]))
 
 

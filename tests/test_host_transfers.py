@@ -1,5 +1,6 @@
 """A greedy decode step waits for the device at most twice: once for the drafts its trees are
-built from, once for the verification's accepted paths."""
+built from, once for the verification's accepted paths; and it sends host values to the
+device without waiting (a blocking copy synchronises a GPU's stream)."""
 
 from __future__ import annotations
 
@@ -22,33 +23,41 @@ READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.numpy, torch.Tenso
 
 class DeviceReads(TorchFunctionMode):
     """Counts reads of tensor values by the host (what is a device-to-host transfer on a GPU);
-    reading a tensor that such a read already brought over (`.cpu().numpy()`) is not another."""
+    reading a tensor that such a read already brought over (`.cpu().numpy()`) is not another.
+    Also counts blocking sends, which on a GPU wait for every queued kernel: values copied by
+    `torch.tensor(..., device=...)`, or moved by `.to(device)` without non_blocking."""
 
     def __init__(self):
         super().__init__()
-        self.count, self.on_host = 0, set()
+        self.count, self.on_host, self.blocking_sends = 0, set(), 0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
         if func in READS and id(args[0]) not in self.on_host:
             self.count += 1
             if isinstance(out, torch.Tensor):
                 self.on_host.add(id(out))
+        device = kwargs.get("device", next((a for a in args[1:] if isinstance(a, (str, torch.device))), None))
+        if (func is torch.tensor and "device" in kwargs) or (func is torch.Tensor.to and device is not None and not kwargs.get("non_blocking")):
+            self.blocking_sends += 1
         return out
 
 
 @pytest.mark.parametrize("policy", [best_first, chain, partial(static, shape="eagle1_25")], ids=["best_first", "chain", "static"])
 def test_a_greedy_step_reads_the_device_at_most_twice(tiny_qwen3, policy, monkeypatch):
     drafter = DFlashDrafter(new_dflash_config(tiny_qwen3, 1, 4, [0, 1], 16), tiny_qwen3).to(tiny_qwen3.dtype).eval()
-    counts = []
+    counts, sends = [], []
 
     def counted(m, batch):
         with DeviceReads() as reads:
             step = _step(m, batch)
         counts.append(reads.count)
+        sends.append(reads.blocking_sends)
         return step
 
     monkeypatch.setattr("bastion.engine._step", counted)
     prompts = [[5 + i, 17, 300 + 7 * i, 41] for i in range(3)]
     generate(tiny_qwen3, prompts, drafter=drafter, policy=policy, budget=FixedBudget(16), max_new_tokens=12)
     assert counts and max(counts) <= 2, counts
+    assert not any(sends), sends

@@ -26,6 +26,7 @@ from bastion.drafters.base import DraftContext, Drafter, DraftVocabulary
 from bastion.drafters.checkpoint import read_checkpoint, save_checkpoint, shaped_like
 from bastion.models.kv_cache import KVCache
 from bastion.models.target import Target
+from bastion.models.transfer import to_device
 from bastion.models.transformer import Block, ModelArgs, RMSNorm, Rotary
 from bastion.tree.proposal import BlockProposal, top_candidates
 
@@ -75,7 +76,7 @@ class DFlashDrafter(nn.Module, DraftVocabulary, Drafter):
         B, K = len(roots), self.block_size
         device = self.fc.weight.device
         block = torch.full((B, K), self.mask_token_id, device=device)
-        block[:, 0] = torch.tensor(roots, device=device)
+        block[:, 0] = to_device(roots, device)
         write_pos, layout = self.cache.prepare(K, torch.ones(B, K, K, dtype=torch.bool, device=device))
         x = self.embed(block)
         cos, sin = self.rotary(write_pos, x.dtype)  # a block token's position is its cache slot
@@ -93,7 +94,7 @@ class DFlashDrafter(nn.Module, DraftVocabulary, Drafter):
     def _append_context(self, features: torch.Tensor, n_features: list[int]) -> None:
         """Project newly verified tokens' target features [B, T, F] and cache every layer's K/V."""
         context = self.project(features.to(self.fc.weight.dtype))
-        lengths = torch.tensor(self.cache.lengths, device=context.device)
+        lengths = to_device(self.cache.lengths, context.device)
         write_pos = lengths[:, None] + torch.arange(context.shape[1], device=context.device)
         cos, sin = self.rotary(write_pos, context.dtype)
         for i, layer in enumerate(self.layers):

@@ -39,6 +39,7 @@ from bastion.drafters.base import DraftContext, Drafter
 from bastion.drafters.checkpoint import read_checkpoint, save_checkpoint, shaped_like
 from bastion.models.kv_cache import KVCache
 from bastion.models.target import Target
+from bastion.models.transfer import to_device
 from bastion.models.transformer import MLP, Attention, ModelArgs, RMSNorm, Rotary
 from bastion.tree.proposal import TreeProposal
 
@@ -107,10 +108,10 @@ class Eagle3Drafter(nn.Module, Drafter):
         last = self._append_context(ctx)  # [B, h]: the output that predicts the root's children
         roots = [seq[-1] for seq in ctx.sequences]
         B, k, h, device = len(roots), self.top_k, last.shape[-1], last.device
-        lengths = torch.tensor(self.cache.lengths, device=device)  # [B]: the root's children run at these positions
+        lengths = to_device(self.cache.lengths, device)  # [B]: the root's children run at these positions
         logp, ids = self.top_children(last[:, None])  # [B, 1, k] each
         every = torch.arange(k, device=device)
-        tokens, parents = [torch.tensor(roots, device=device)[:, None], ids[:, 0]], [torch.full((B, 1), -1, device=device), every.new_zeros(B, k)]
+        tokens, parents = [to_device(roots, device)[:, None], ids[:, 0]], [torch.full((B, 1), -1, device=device), every.new_zeros(B, k)]
         logq, ranks = [logp.new_zeros(B, 1), logp[:, 0]], [every.new_zeros(B, 1), every.expand(B, k)]
         beam, beam_logq, n_candidates = 1 + every.expand(B, k), logp[:, 0], 1 + k  # [B, k]: the leaves to grow, as candidate ids
         beam_tokens, beam_feature = ids[:, 0], last[:, None].expand(B, k, h)
@@ -149,10 +150,10 @@ class Eagle3Drafter(nn.Module, Drafter):
         write_pos, layout = self.cache.prepare(T)
         feature = self.fc(features.to(self.fc.weight.dtype))
         cos, sin = self.rotary(write_pos, feature.dtype)
-        out = self.midlayer(self.embed(torch.tensor(following, device=device)), feature, cos, sin, layout,
+        out = self.midlayer(self.embed(to_device(following, device)), feature, cos, sin, layout,
                             partial(self.cache.write, 0, write_pos=write_pos, s_view=layout.n_keys))
         self.cache.commit([list(range(m)) for m in n])
-        return out[torch.arange(len(n), device=device), torch.tensor(n, device=device) - 1]
+        return out[torch.arange(len(n), device=device), to_device(n, device) - 1]
 
     # ---- shared by decoding and training ----------------------------------------------------
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:

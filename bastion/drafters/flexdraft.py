@@ -36,6 +36,7 @@ from bastion.drafters.checkpoint import read_checkpoint, save_checkpoint
 from bastion.models.attention import attend
 from bastion.models.kv_cache import KVCache
 from bastion.models.target import Target
+from bastion.models.transfer import to_device
 from bastion.tree.draft_tree import DraftTree
 from bastion.tree.proposal import BlockProposal, matched_prefix, top_candidates
 
@@ -148,7 +149,7 @@ class FlexDraftDrafter(nn.Module, DraftVocabulary, Drafter):
         if self._race is None:
             return
         for b, (seq, n) in enumerate(zip(ctx.sequences, self._lengths)):
-            truth = torch.tensor(seq[n:], device=self._race[0].device)
+            truth = to_device(seq[n:], self._race[0].device)
             plain, with_mlp = (matched_prefix(drafts[b], truth) for drafts in self._race)
             if plain != with_mlp:
                 self.mlp_wins[with_mlp > plain] += 1
@@ -188,7 +189,7 @@ class FlexDraftDrafter(nn.Module, DraftVocabulary, Drafter):
         self._pending = {}
         device = self.mask_embedding.device
         plain, calibrated = (self.in_full_vocab(logits) if logits is not None else None
-                             for logits in self.draft_logits(torch.stack(hidden), torch.tensor(roots, device=device)))
+                             for logits in self.draft_logits(torch.stack(hidden), to_device(roots, device)))
         if self.calibration_mode == "auto":
             self._lengths, self._race = [len(s) for s in ctx.sequences], (plain.argmax(-1), calibrated.argmax(-1))
         return top_candidates(calibrated if self.uses_mlp() else plain, roots, self.top_k)
@@ -200,7 +201,7 @@ class FlexDraftDrafter(nn.Module, DraftVocabulary, Drafter):
         device = self.mask_embedding.device
         tree_mask = torch.ones(B, G, G, dtype=torch.bool, device=device)
         write_pos, mask = cache.prepare(G, tree_mask)
-        x, is_mask = self.group_inputs(torch.tensor(roots, device=device))
+        x, is_mask = self.group_inputs(to_device(roots, device))
         hidden = self.run_layers(x, write_pos, mask, is_mask, lambda i: _writer(cache, i, write_pos, mask))
         return [hidden[b] for b in rows]
 

@@ -14,6 +14,7 @@ import copy
 import torch
 
 from bastion.models.attention import Layout
+from bastion.models.transfer import to_device
 
 
 class KVCache:
@@ -37,7 +38,7 @@ class KVCache:
         static shape)."""
         if max(self.lengths) + n_new > self.capacity:
             raise RuntimeError(f"KV cache overflow: {max(self.lengths)} + {n_new} tokens > capacity {self.capacity}")
-        lengths = torch.tensor(self.lengths, device=self.device)
+        lengths = to_device(self.lengths, self.device)
         write_pos = lengths[:, None] + torch.arange(n_new, device=self.device)  # [B, N]
         n_keys = min(self.capacity, -(-(max(self.lengths) + n_new) // key_bucket) * key_bucket)
         return write_pos, Layout(lengths, tree_mask, n_new, n_keys, self.kernel)
@@ -63,7 +64,7 @@ class KVCache:
         for b, row in enumerate(keep):
             if row != list(range(len(row))):
                 n = self.lengths[b]
-                src = torch.tensor(row, device=self.device) + n
+                src = to_device(row, self.device) + n
                 for buf in (self.k, self.v):
                     buf[:, b, :, n : n + len(row)] = buf[:, b, :, src]  # src >= dst: read before written
         self.lengths = [n + len(row) for n, row in zip(self.lengths, keep)]
@@ -88,7 +89,7 @@ class KVCache:
                     buf[:, new].copy_(buf[:, old])
             self.k, self.v = self.k[:, : len(rows)], self.v[:, : len(rows)]
         else:
-            index = torch.tensor(rows, dtype=torch.long, device=self.device)
+            index = to_device(rows, self.device, torch.long)
             self.k = self.k.index_select(1, index)
             self.v = self.v.index_select(1, index)
         self.lengths = [self.lengths[r] for r in rows]

@@ -21,6 +21,7 @@ from functools import cache
 import numpy as np
 import torch
 
+from bastion.models.transfer import to_device
 from bastion.tree.draft_tree import DraftTree
 from bastion.tree.proposal import BlockProposal, TreeProposal
 
@@ -35,7 +36,7 @@ def best_first(proposal: BlockProposal | TreeProposal, max_nodes: int) -> list[D
     logprobs = proposal.logprobs.to(torch.promote_types(proposal.logprobs.dtype, torch.float32))
     # candidates, the root first, then each depth's beam: path score, parent candidate, token
     scores, parents = [logprobs.new_zeros(B, 1)], [torch.full((B, 1), -1, device=device)]
-    tokens = [torch.tensor(proposal.roots, device=device)[:, None]]
+    tokens = [to_device(proposal.roots, device)[:, None]]
     beam_scores, beam_start, n_seen = scores[0], 0, 1  # the beam above: its scores, its first candidate
     for depth in range(K):
         slot, rank = _contenders(beam_scores.shape[1], k, max_nodes, device)  # [C] each
@@ -87,4 +88,4 @@ def _contenders(beam: int, k: int, n: int, device) -> tuple[torch.Tensor, torch.
     [C]: the beam and each position's candidates are sorted, so (p+1)(r+1) children are at
     least as good as (p, r), and with more than n of them it cannot be (n=256, k=16: 866 of 4096)."""
     cells = [(p, r) for p in range(beam) for r in range(k) if (p + 1) * (r + 1) <= n]
-    return tuple(torch.tensor(column, device=device) for column in zip(*cells))
+    return tuple(to_device(column, device) for column in zip(*cells))
