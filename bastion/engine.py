@@ -229,7 +229,7 @@ def _step(m: _Method, batch: _Batch) -> Step:
     else:  # the drafter's verification forward (FlexDraft drafts inside it where the budget says so)
         parallel = m.budget.parallel(tokens.shape[1], lambda: m.drafter.parallel_tokens(trees), contexts)
         hidden, features, width = m.drafter.verify_forward(m.target, cache, trees, tokens, depths, tree_mask, m.capture, parallel)
-    scores = _scores(m, batch, hidden, depths)
+    scores = _scores(m, batch, hidden, depths, depth)
     t3 = clock.mark()
     verdicts = _verify(m, scores, trees, tokens, depths, parents, depth, draft_probs)  # waits for the device once
     paths = [v.path for v in verdicts]
@@ -265,17 +265,22 @@ def _draft_trees(m: _Method, proposal, contexts: list[int]):
     return [sample_children(tree, draft_probs[b], m.generator) for b, tree in enumerate(trees)], draft_probs
 
 
-def _scores(m: _Method, batch: _Batch, hidden: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
+def _scores(m: _Method, batch: _Batch, hidden: torch.Tensor, depths: torch.Tensor, depth: int) -> torch.Tensor:
     """What verification reads of the forward's hidden states [B, M, h], the device's part of
     it: the target's choice after each node [B, M] (its argmax, without float32 logits, or the
-    argmax of keyed scores), or for sampled children the logits [B, M, V]."""
+    argmax of keyed scores, a chunk of nodes at a time), or for sampled children the logits
+    [B, M, V]. `depth`: no node is deeper."""
     if m.sampling.greedy:
         return m.target.argmax(hidden)
-    logits = m.target.logits(hidden)
     if not m.sampling.keyed:
-        return logits
-    start = to_device([len(batch.decoding.generations[i].tokens) for i in batch.active], logits.device)  # [B] output position after each root
-    return m.sampling.scores(logits, m.seed, m.keys[batch.active], start, depths).argmax(-1)
+        return m.target.logits(hidden)
+    start = to_device([len(batch.decoding.generations[i].tokens) for i in batch.active], hidden.device)  # [B] output position after each root
+    keys = m.keys[batch.active]
+
+    def keyed(logits: torch.Tensor, nodes: slice) -> torch.Tensor:
+        return m.sampling.scores(logits, m.seed, keys, start, depths[:, nodes], levels=depth + 1)
+
+    return m.target.argmax(hidden, score=keyed)
 
 
 def _verify(m: _Method, scores: torch.Tensor, trees: list[DraftTree], tokens: torch.Tensor, depths: torch.Tensor,
@@ -291,7 +296,7 @@ def _first_tokens(logits: torch.Tensor, sampling: Sampling, seed: int, keys: tor
     """The token prefill produces (output position 0) per row from logits [B, V]."""
     if sampling.keyed:
         zeros = torch.zeros(len(keys), 1, dtype=torch.long, device=logits.device)
-        return sampling.scores(logits[:, None], seed, keys, zeros[:, 0], zeros)[:, 0].argmax(-1).tolist()
+        return sampling.scores(logits[:, None], seed, keys, zeros[:, 0], zeros, levels=1)[:, 0].argmax(-1).tolist()
     return torch.multinomial(sampling.probs(logits), 1, generator=generator)[:, 0].tolist()
 
 

@@ -128,10 +128,13 @@ def test_a_plan_over_the_memory_names_its_largest_part():
     sdpa = plan_memory(args, torch.bfloat16, 16, 4096, 128, 256, "sdpa")
     assert sdpa.transients["verify attention scores"] == 16 * 32 * 257 * (4096 + 128 + 257) * 4
     assert sdpa.total == sdpa.target_weights + sdpa.kv_cache + sdpa.transients["prefill MLP"]
-    # greedy verification takes the argmax 32 tokens at a time (2^26 logits), sampling reads all in float32 too
+    # greedy verification takes the argmax 32 tokens at a time (2^26 logits), and so do keyed scores at T > 0 (with
+    # float32 logits and float64 temporaries); sampled children read every node's float32 logits and probabilities
     assert sdpa.transients["verify logits"] == 16 * 32 * 128256 * 2
-    sampled = plan_memory(args, torch.bfloat16, 16, 4096, 128, 256, "sdpa", sampled=True)
-    assert sampled.transients["verify logits"] == 16 * 257 * 128256 * (2 + 4)
+    ranked = plan_memory(args, torch.bfloat16, 16, 4096, 128, 256, "sdpa", sampled=True)
+    assert ranked.transients["verify logits"] == 16 * 32 * 128256 * (2 + 4 + 32)
+    sampled = plan_memory(args, torch.bfloat16, 16, 4096, 128, 256, "sdpa", sampled=True, ranked=False)
+    assert sampled.transients["verify logits"] == 16 * 257 * 128256 * (2 + 4 + 4)
 
 
 def run_py(tmp_path, *overrides):
@@ -152,7 +155,8 @@ def test_plan_prints_the_table_without_loading_anything(tmp_path):
 
 
 def test_a_run_too_big_for_the_gpu_is_refused_before_any_download(tmp_path):
-    result = run_py(tmp_path, "target=qwen3_8b", "gpu=a100", "decode.batch_size=16", "budget.max_nodes=4096", "decode.temperature=1.0")
+    result = run_py(tmp_path, "target=qwen3_8b", "gpu=a100", "decode.batch_size=16", "budget.max_nodes=4096", "decode.temperature=1.0",
+                    "decode.tree_mode=sampled")
     assert result.returncode == 2
     assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1, result.stderr
     assert "largest part is the verify logits" in result.stderr and "lower budget.max_nodes" in result.stderr

@@ -77,7 +77,7 @@ def memory_plan(cfg: DictConfig, max_nodes: int, drafters: list[tuple[str, Path]
     d = cfg.decode
     return plan_memory(model_args(shape), dtype, d.batch_size, cfg.plan_context, d.max_new_tokens, max_nodes, kernel,
                        sum(checkpoint_parameters(path) for _, path in drafters), extra_tokens(drafters, max_nodes),
-                       cuda=cuda, sampled=d.temperature > 0, compiled=d.get("compile", False))
+                       cuda=cuda, sampled=d.temperature > 0, compiled=d.get("compile", False), ranked=d.tree_mode == "ranked")
 
 
 def drafter_checkpoints(drafting: list[MethodPlan]) -> tuple[list[tuple[str, Path]], list[str]]:

@@ -107,23 +107,27 @@ def checkpoint_parameters(path: Path) -> int:
 
 def plan_memory(args: ModelArgs, dtype: torch.dtype, batch: int, context: int, max_new_tokens: int, max_nodes: int,
                 kernel: str, drafter_params: int = 0, extra_tokens: int = 0, cuda: bool = True,
-                sampled: bool = False, compiled: bool = False) -> MemoryPlan:
+                sampled: bool = False, compiled: bool = False, ranked: bool = True) -> MemoryPlan:
     """The peak of decoding `batch` prompts of `context` tokens for `max_new_tokens` with trees of
     up to `max_nodes` draft nodes (0: AR only) under the attention `kernel`, weights in `dtype`.
     `extra_tokens`: cache slots a verify forward uses beyond its tree (Drafter.extra_tokens);
-    `sampled`: temperature > 0, where verification reads every node's float32 logits (greedy
-    verification takes Target.argmax's chunks of them instead); `compiled`: decode.compile,
-    whose forwards run their token count's bucket (Target.padded)."""
+    `sampled`: temperature > 0, where `ranked` children (decode.tree_mode) are verified by keyed
+    scores a chunk of tokens at a time and sampled children read every node's float32 logits
+    and probabilities (greedy verification takes Target.argmax's chunks of the logits alone);
+    `compiled`: decode.compile, whose forwards run their token count's bucket (Target.padded)."""
     B, L, V, I = batch, args.n_layers, args.vocab_size, args.intermediate_size
     size = dtype.itemsize
     n_params = parameter_count(args)
     n = max_nodes + 1  # a verify forward's tokens per row: the tree and its root
     n_forward = token_bucket(n + extra_tokens) if compiled else n + extra_tokens  # what it runs, a drafter's extra tokens included
     capacity = max(context + max_new_tokens + n_forward, token_bucket(context) if compiled else 0)  # engine.generate's KV capacity
-    if sampled:  # Target.logits: the lm_head's output, then its float32 copy
-        logit_tokens, logit_size = n, size + 4 if size < 4 else size
-    else:  # Target.argmax: a chunk of tokens at a time, in the model's dtype
-        logit_tokens, logit_size = min(n, max(1, ARGMAX_CHUNK // (B * V))), size
+    chunk = min(n, max(1, ARGMAX_CHUNK // (B * V)))  # Target.argmax's tokens at a time
+    if sampled and ranked:  # a chunk's lm_head output, float32 logits, and at most 32 B of sampling.scores' float64 temporaries
+        logit_tokens, logit_size, what = chunk, size + 4 + 32, "keyed scores a chunk of tokens at a time"
+    elif sampled:  # every node's lm_head output, its float32 copy and the float32 probabilities verify_sampled reads
+        logit_tokens, logit_size, what = n, size + 4 + 4, "lm_head output, float32 logits and probabilities"
+    else:  # the argmax a chunk at a time, in the model's dtype
+        logit_tokens, logit_size, what = chunk, size, "greedy: the argmax a chunk of tokens at a time"
     score_matrix = kernel == "sdpa" and cuda  # SDPA with a tree mask runs the math backend on CUDA; flex and triton build none
     transients = {
         "verify logits": B * logit_tokens * V * logit_size,
@@ -136,9 +140,7 @@ def plan_memory(args: ModelArgs, dtype: torch.dtype, batch: int, context: int, m
         "target weights": f"{n_params:,} parameters x {size} B ({dtype_name})",
         "drafter weights": f"{drafter_params:,} parameters x {size} B",
         "KV cache": f"2 x {L} layers x {B} rows x {args.n_kv_heads} heads x {capacity} slots x {args.head_dim} x {size} B",
-        "verify logits": f"{B} rows x {logit_tokens} tokens x {V} vocab x {logit_size} B"
-                         + (f" ({dtype_name} lm_head output, then float32)" if sampled and size < 4 else "")
-                         + ("" if sampled else " (greedy: the argmax a chunk of tokens at a time)"),
+        "verify logits": f"{B} rows x {logit_tokens} tokens x {V} vocab x {logit_size} B ({what})",
         "verify attention scores": (f"{B} rows x {args.n_heads} heads x {n_forward} x {capacity} keys x 4 B (sdpa with a tree "
                                     f"mask: the math backend's float32 scores)" if score_matrix
                                     else f"none: {kernel} builds no score matrix" if cuda else f"not counted: {kernel} on a CPU"),

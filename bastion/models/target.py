@@ -97,15 +97,20 @@ class Target:
         return self.model.lm_head(hidden).to(torch.promote_types(self.dtype, torch.float32))
 
     @torch.inference_mode()
-    def argmax(self, hidden: torch.Tensor, chunk_elements: int = ARGMAX_CHUNK) -> torch.Tensor:
+    def argmax(self, hidden: torch.Tensor, chunk_elements: int = ARGMAX_CHUNK, score=None) -> torch.Tensor:
         """hidden [B, M, h] -> the likeliest next token after each [B, M]: logits(hidden).argmax(-1)
         without a float32 copy of the logits (upcasting cannot change an argmax) and a few
         tokens' logits at a time (B=16, M=257, V=152k: 2.5 GB in float32 at once). A GPU's
         matmul may round a chunk's near-ties unlike a whole forward's, as it rounds an AR step's
-        unlike a tree's (lossless_ties)."""
+        unlike a tree's (lossless_ties). With `score`, the argmax of score(logits, columns), a
+        chunk's float32 logits [B, m, V] and the slice of the M columns they are (keyed
+        sampling's log p + Gumbel noise, float64: 8x the logits' memory if taken at once)."""
         B, M, _ = hidden.shape
         step = max(1, chunk_elements // (B * self.args.vocab_size))
-        return torch.cat([self.model.lm_head(part).argmax(-1) for part in hidden.split(step, dim=1)], dim=1)
+        if score is None:
+            return torch.cat([self.model.lm_head(part).argmax(-1) for part in hidden.split(step, dim=1)], dim=1)
+        columns = [slice(i, i + step) for i in range(0, M, step)]
+        return torch.cat([score(self.logits(hidden[:, c]), c).argmax(-1) for c in columns], dim=1)
 
 
 def token_bucket(n: int) -> int:
