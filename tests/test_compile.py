@@ -40,6 +40,14 @@ def test_compiled_decoding_gives_ar_tokens(tiny_qwen3):
     assert any(n > 1 for s in decoding.steps for n in s.produced), "no draft was accepted: the trees were not exercised"
     assert len(probe_times(compiled, [3], context=8, repeats=1)[0]) == 1  # the probe sizes its cache for the bucket of 3
     assert torch._dynamo.config.recompile_limit >= RECOMPILES  # past torch's 8 graphs a function would silently run eagerly
+    # another batch with prompts of other lengths gets a cache of the same capacity (cache_slots): its steps at the
+    # same batch size compile nothing (a capacity of its own made every bucket recompile)
+    other = [[5, 6, 7, 8] * 3, [9, 10, 11] * 4]
+    expected = ar_outputs(tiny_qwen3, other, 10)
+    again = generate(compiled, other, drafter=OracleDrafter(dict(zip(map(tuple, other), expected)), vocab=49152),
+                     policy=best_first, budget=ObservingBudget(5), max_new_tokens=10)
+    assert [g.tokens for g in again.generations] == expected
+    assert not any(s.compiled for s in again.steps if len(s.rows) == 2)
 
 
 def test_a_step_during_which_anything_compiles_is_left_out_of_the_budget(tiny_qwen3):

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from bastion.models.target import ARGMAX_CHUNK, token_bucket
+from bastion.models.target import ARGMAX_CHUNK, cache_slots, token_bucket
 from bastion.models.transformer import ModelArgs
 
 HEADROOM = 0.9  # the share of device memory a plan may fill; the rest is for what it leaves out
@@ -120,7 +120,7 @@ def plan_memory(args: ModelArgs, dtype: torch.dtype, batch: int, context: int, m
     n_params = parameter_count(args)
     n = max_nodes + 1  # a verify forward's tokens per row: the tree and its root
     n_forward = token_bucket(n + extra_tokens) if compiled else n + extra_tokens  # what it runs, a drafter's extra tokens included
-    capacity = max(context + max_new_tokens + n_forward, token_bucket(context) if compiled else 0)  # engine.generate's KV capacity
+    capacity = cache_slots(max(context + max_new_tokens + n_forward, token_bucket(context) if compiled else 0), compiled)  # engine.generate's
     chunk = min(n, max(1, ARGMAX_CHUNK // (B * V)))  # Target.argmax's tokens at a time
     if sampled and ranked:  # a chunk's lm_head output, float32 logits, and at most 32 B of sampling.scores' float64 temporaries
         logit_tokens, logit_size, what = chunk, size + 4 + 32, "keyed scores a chunk of tokens at a time"

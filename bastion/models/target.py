@@ -118,6 +118,13 @@ def token_bucket(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
+def cache_slots(n: int, compiled: bool) -> int:
+    """The KV slots a decode that needs n gets: n, or for a compiled target n rounded up to a
+    multiple of KEY_BUCKET, since the cache's shape is part of what a compiled forward was
+    compiled for: a capacity of its own per batch would recompile every bucket for every batch."""
+    return -(-n // KEY_BUCKET) * KEY_BUCKET if compiled else n
+
+
 def dtype_named(name: str) -> torch.dtype:
     if name not in DTYPES:
         raise ValueError(f"Unknown dtype '{name}'; choose one of {', '.join(DTYPES)}.")
