@@ -15,7 +15,7 @@ from bastion.budget.base import Budget
 from bastion.drafters.base import DraftContext, Drafter
 from bastion.models.dynamo import compiled_graphs
 from bastion.models.kv_cache import KVCache, fill_holes
-from bastion.models.target import Target, cache_slots
+from bastion.models.target import Target
 from bastion.models.timer import Clock, now
 from bastion.models.transfer import to_device
 from bastion.recorder import Recorder
@@ -159,7 +159,7 @@ def generate(
     max_nodes = budget.max_nodes if drafter else 0
     longest = max(len(p) for p in prompts)
     widest = target.padded(max_nodes + 1 + (drafter.extra_tokens(max_nodes) if drafter else 0))  # a step's forward
-    capacity = cache_slots(max(longest + max_new_tokens + widest, target.padded(longest)), target.compiled is not None)
+    capacity = max(longest + max_new_tokens + widest, target.padded(longest))
     cache = target.new_cache(len(prompts), capacity)
     active = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # the prompt each cache row decodes
     rows = [prompts[i] for i in active]  # shortest first, so that prefill chunks waste little on padding

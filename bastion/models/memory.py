@@ -122,10 +122,11 @@ def plan_memory(args: ModelArgs, dtype: torch.dtype, batch: int, context: int, m
     n_forward = token_bucket(n + extra_tokens) if compiled else n + extra_tokens  # what it runs, a drafter's extra tokens included
     capacity = cache_slots(max(context + max_new_tokens + n_forward, token_bucket(context) if compiled else 0), compiled)  # engine.generate's
     chunk = min(n, max(1, ARGMAX_CHUNK // (B * V)))  # Target.argmax's tokens at a time
-    if sampled and ranked:  # a chunk's lm_head output, float32 logits, and at most 32 B of sampling.scores' float64 temporaries
-        logit_tokens, logit_size, what = chunk, size + 4 + 32, "keyed scores a chunk of tokens at a time"
-    elif sampled:  # every node's lm_head output, its float32 copy and the float32 probabilities verify_sampled reads
-        logit_tokens, logit_size, what = n, size + 4 + 4, "lm_head output, float32 logits and probabilities"
+    upcast = 4 if size < 4 else 0  # Target.logits' float32 copy of a narrower lm_head output
+    if sampled and ranked:  # a chunk's logits, and at most 32 B of sampling.scores' float64 temporaries
+        logit_tokens, logit_size, what = chunk, size + upcast + 32, "keyed scores a chunk of tokens at a time"
+    elif sampled:  # every node's logits and the float32 probabilities verify_sampled reads
+        logit_tokens, logit_size, what = n, size + upcast + 4, "lm_head output, float32 logits and probabilities"
     else:  # the argmax a chunk at a time, in the model's dtype
         logit_tokens, logit_size, what = chunk, size, "greedy: the argmax a chunk of tokens at a time"
     score_matrix = kernel == "sdpa" and cuda  # SDPA with a tree mask runs the math backend on CUDA; flex and triton build none

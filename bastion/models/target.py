@@ -50,8 +50,10 @@ class Target:
         return self.model.embed_tokens.weight.dtype
 
     def new_cache(self, batch: int, capacity: int) -> KVCache:
+        """A KV cache of at least `capacity` slots per row (cache_slots: a compiled target's are bucketed)."""
         a = self.args
-        return KVCache(a.n_layers, batch, a.n_kv_heads, a.head_dim, capacity, self.dtype, self.device, self.attention)
+        slots = cache_slots(capacity, self.compiled is not None)
+        return KVCache(a.n_layers, batch, a.n_kv_heads, a.head_dim, slots, self.dtype, self.device, self.attention)
 
     @torch.inference_mode()
     def forward(self, tokens, depths, tree_mask, cache: KVCache, capture: tuple[int, ...] = ()):
