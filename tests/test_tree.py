@@ -96,10 +96,10 @@ def test_trees_of_a_known_depth_pack_and_verify_in_fewer_rounds():
 
 def test_ranked_is_a_stable_descending_sort():
     """Exactly a stable sort's first n: ties (0.0 and -0.0 among them) to the lower column, -inf last."""
-    scores = torch.randn(4, 300, generator=torch.Generator().manual_seed(0)).round(decimals=1)  # many ties
+    scores = np.random.default_rng(0).normal(size=(4, 300)).round(1).astype(np.float32)  # many ties
     scores[:, ::7], scores[:, 1::11], scores[:, 2::13] = 0.0, -0.0, -math.inf
     for n in (1, 100, 300):
-        assert torch.equal(ranked(scores, n), torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :n])
+        assert np.array_equal(ranked(scores, n), np.argsort(-scores, axis=1, kind="stable")[:, :n])
 
 
 def test_tree_rejects_children_before_parents():
@@ -145,7 +145,7 @@ def test_best_first_is_optimal_for_every_size(seed, K, k):
         best = max(a_hat(t, probs) for t in all_prefix_closed_trees(K, k, n))
         tree = best_first(proposal(probs), n)[0]
         assert tree.n_nodes == n
-        assert tree.expected_accepted() == pytest.approx(best, rel=1e-12)
+        assert tree.expected_accepted() == pytest.approx(best, rel=1e-6)  # scores are float32
         # the size-n tree is the first n nodes of any larger one: controllers may truncate
         assert full.truncate(n).tokens == tree.tokens and full.truncate(n).parents == tree.parents
 

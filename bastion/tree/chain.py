@@ -12,12 +12,12 @@ from bastion.tree.static import follow_ranks
 def chain(proposal: BlockProposal | TreeProposal, max_nodes: int) -> list[DraftTree]:
     if isinstance(proposal, TreeProposal):
         return follow_ranks(proposal, [(0,) * depth for depth in range(1, min(max_nodes, proposal.depth) + 1)], max_nodes)
-    tokens, logprobs = proposal.on_host()  # [B, K, k]
+    tokens, logprobs = (values.tolist() for values in proposal.on_host())  # [B, K, k]
     trees = []
     for root, row_tokens, row_logprobs in zip(proposal.roots, tokens, logprobs):
         tree_tokens, parents, logq = [root], [-1], [0.0]
         for candidates, lps in zip(row_tokens[:max_nodes], row_logprobs):
-            token, lp = int(candidates[0]), lps[0]
+            token, lp = candidates[0], lps[0]
             if lp == -math.inf:
                 break
             tree_tokens.append(token)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from bastion.sampling import Sampling
@@ -29,11 +30,11 @@ class BlockProposal:
         """The deepest node a tree drawn from it can have: K."""
         return self.tokens.shape[1]
 
-    def on_host(self) -> tuple[list, list]:
-        """tokens (as floats: exact below 2^53) and logprobs [B, K, k] as lists, in one
-        transfer from the device."""
-        tokens, logprobs = torch.stack([self.tokens.double(), self.logprobs.double()]).tolist()
-        return tokens, logprobs
+    def on_host(self) -> tuple[np.ndarray, np.ndarray]:
+        """tokens (int64) and logprobs (float64) [B, K, k] on the host, in one transfer from the
+        device (tokens travel as float64: exact below 2^53)."""
+        tokens, logprobs = torch.stack([self.tokens.double(), self.logprobs.double()]).cpu().numpy()
+        return tokens.astype(np.int64), logprobs
 
     def distributions(self, sampling: Sampling, vocab_size: int) -> torch.Tensor:
         """The draft distributions q [B, K, V] that sampled trees are drawn from: the full

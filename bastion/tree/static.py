@@ -53,7 +53,7 @@ def static(proposal: BlockProposal | TreeProposal, max_nodes: int, shape: str | 
     paths = topology(shape)
     if isinstance(proposal, TreeProposal):
         return follow_ranks(proposal, paths, max_nodes)
-    tokens, logprobs = proposal.on_host()  # [B, K, k]
+    tokens, logprobs = (values.tolist() for values in proposal.on_host())  # [B, K, k]
     K, k = proposal.tokens.shape[1:]
     trees = []
     for root, row_tokens, row_logprobs in zip(proposal.roots, tokens, logprobs):
@@ -68,7 +68,7 @@ def static(proposal: BlockProposal | TreeProposal, max_nodes: int, shape: str | 
                 continue
             parent = index[path[:-1]]
             index[path] = len(tree_tokens)
-            tree_tokens.append(int(row_tokens[depth - 1][rank]))
+            tree_tokens.append(row_tokens[depth - 1][rank])
             parents.append(parent)
             logq.append(logq[parent] + lp)
         trees.append(DraftTree(tuple(tree_tokens), tuple(parents), tuple(logq)))
