@@ -388,7 +388,11 @@ def test_ar_stretches_double_and_outlast_their_retry():
 def test_profiles_and_bad_budgets():
     cfg = {"name": "h100", "peak_tflops": {"bfloat16": 989}, "memory_gbs": 3350}
     assert profile_from_config(cfg, "cpu", []).memory_gbs == 3350
-    assert profile_from_config({"name": "auto"}, "cpu", [cfg]).name == "measured-cpu"
+    measured = profile_from_config({"name": "auto"}, "cpu", [cfg])
+    assert measured.name == "measured-cpu" and set(measured.peak_tflops) == {"float32", "bfloat16", "float16"}
+    # each dtype timed itself: bfloat16 matmuls run several times faster (AMX) or hundreds of times slower
+    # (no bf16 kernels) than float32 on a CPU, never at the same pace
+    assert measured.flops_per_s(torch.bfloat16) != measured.flops_per_s(torch.float32)
     with pytest.raises(ValueError, match="max_nodes must be at least 1"):
         BastionBudget(max_nodes=0)
 
