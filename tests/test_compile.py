@@ -72,3 +72,18 @@ def test_a_step_during_which_anything_compiles_is_left_out_of_the_budget(tiny_qw
     assert [g.tokens for g in decoding.generations] == expected
     assert [s.compiled for s in decoding.steps] == [i == 2 for i in range(len(decoding.steps))]
     assert budget.seen == [s for i, s in enumerate(decoding.steps) if i != 2]
+
+
+def test_a_compiled_forward_with_flex_attention_is_one_graph():
+    """decode.compile with FlexAttention (the CUDA default): the layout arrives with its block mask,
+    so nothing inside the forward splits the graph (building it lazily there did, at every layer)."""
+    from tests.conftest import load_target, target_config
+
+    target = load_target(**target_config("tiny_qwen3", dtype="float32", attention="flex"))
+    cache = target.new_cache(2, 64)
+    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool).repeat(2, 1, 1)
+    write_pos, layout = cache.prepare(4, tree)
+    positions = layout.prefix[:, None] + torch.tensor([0, 1, 1, 2])
+    with torch.no_grad():  # FlexAttention has no backward on a CPU
+        explained = torch._dynamo.explain(target.model)(torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]]), positions, layout, cache, write_pos, ())
+    assert explained.graph_break_count == 0, [b.reason.splitlines()[0] for b in explained.break_reasons]

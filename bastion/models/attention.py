@@ -16,8 +16,8 @@ models/triton_attention.py). `auto` is flex on CUDA and sdpa elsewhere.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from functools import cache, cached_property
+from dataclasses import dataclass, field
+from functools import cache
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +45,13 @@ class Layout:
     n_new: int  # N
     n_keys: int  # S: key slots attended over: the longest prefix + N, or more (a compiled forward's bucket)
     kernel: str = "sdpa"
+    block_mask: object = field(init=False, default=None, repr=False)  # flex: FlexAttention's, shared by every layer
+
+    def __post_init__(self):
+        # built when the layout is made, before the forward: inside a compiled forward (decode.compile) a lazy
+        # build (functools.cached_property takes a lock on Python 3.11) splits the graph at every layer
+        if self.kernel == "flex":
+            object.__setattr__(self, "block_mask", self._flex_block_mask())
 
     @property
     def causal_only(self) -> bool:
@@ -61,9 +68,7 @@ class Layout:
         among = self.tree.gather(2, offset.clamp(0, N - 1)[:, None, :].expand(B, N, S))  # [B, N, S]
         return ((offset < 0)[:, None, :] | ((offset < N)[:, None, :] & among))[:, None]
 
-    @cached_property
-    def block_mask(self):
-        """FlexAttention's block mask, built once per forward and shared by every layer."""
+    def _flex_block_mask(self):
         from torch.nn.attention.flex_attention import create_block_mask
 
         prefix, tree, N = self.prefix, self.tree, self.n_new
