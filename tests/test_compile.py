@@ -10,7 +10,7 @@ from bastion.budget.fixed import FixedBudget
 from bastion.budget.latency import probe_times
 from bastion.engine import generate
 from bastion.models.dynamo import RECOMPILES
-from bastion.models.target import compile_forward
+from bastion.models.target import KEY_BUCKET, compile_forward
 from bastion.tree.best_first import best_first
 from tests.helpers import OracleDrafter, ar_outputs
 
@@ -87,3 +87,15 @@ def test_a_compiled_forward_with_flex_attention_is_one_graph():
     with torch.no_grad():  # FlexAttention has no backward on a CPU
         explained = torch._dynamo.explain(target.model)(torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]]), positions, layout, cache, write_pos, ())
     assert explained.graph_break_count == 0, [b.reason.splitlines()[0] for b in explained.break_reasons]
+
+
+def test_a_compiled_prefill_attends_causally_without_a_mask(tiny_qwen3):
+    """A prompt's first chunk keeps plain causal attention under decode.compile (flash on a GPU):
+    its keys bucketed like a decode step's would need a mask, which on CUDA runs SDPA's math
+    backend and its [B, H, n, S] float32 scores (77 GB for 16 prompts of 4096 tokens on an 8B target)."""
+    cache = tiny_qwen3.new_cache(2, 64)
+    _, layout = cache.prepare(8, key_bucket=KEY_BUCKET)
+    assert layout.causal_only and layout.n_keys == 8
+    cache.commit([list(range(8))] * 2)
+    _, layout = cache.prepare(4, key_bucket=KEY_BUCKET)  # after it, keys are bucketed (within capacity)
+    assert not layout.causal_only and layout.n_keys == 64

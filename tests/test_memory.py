@@ -126,8 +126,12 @@ def test_a_plan_over_the_memory_names_its_largest_part():
     with pytest.raises(ValueError, match=r"largest part is the target weights \(32.1 GB\): use a smaller target.dtype"):
         check_fits(plan, 24 * 10**9, "test GPU")
     sdpa = plan_memory(args, torch.bfloat16, 16, 4096, 128, 256, "sdpa")
-    assert sdpa.transients["verify attention scores"] == 16 * 32 * 257 * (4096 + 128 + 257) * 4
-    assert sdpa.total == sdpa.target_weights + sdpa.kv_cache + sdpa.transients["prefill MLP"]
+    # the math backend's float32 scores and softmax, K and V upcast to float32 (8 heads) and repeated to 32 heads
+    keys = 4096 + 128 + 257
+    assert sdpa.transients["verify attention scores"] == 2 * 16 * 32 * 257 * keys * 4 + 2 * 16 * (8 + 32) * keys * 128 * 4
+    assert sdpa.total == sdpa.target_weights + sdpa.kv_cache + sdpa.transients["verify attention scores"]
+    assert plan_memory(args, torch.float32, 16, 4096, 128, 256, "sdpa").transients["verify attention scores"] == \
+        2 * 16 * 32 * 257 * keys * 4 + 2 * 16 * 32 * keys * 128 * 4  # float32: nothing to upcast
     # greedy verification takes the argmax 32 tokens at a time (2^26 logits), and so do keyed scores at T > 0 (with
     # float32 logits and float64 temporaries); sampled children read every node's float32 logits and probabilities
     assert sdpa.transients["verify logits"] == 16 * 32 * 128256 * 2

@@ -36,11 +36,14 @@ class KVCache:
         are written to [B, N] and their attention Layout over the verified prefix and themselves
         (attending over a multiple of `key_bucket` slots, within capacity: a compiled forward's
         static shape)."""
-        if max(self.lengths) + n_new > self.capacity:
-            raise RuntimeError(f"KV cache overflow: {max(self.lengths)} + {n_new} tokens > capacity {self.capacity}")
+        longest = max(self.lengths)
+        if longest + n_new > self.capacity:
+            raise RuntimeError(f"KV cache overflow: {longest} + {n_new} tokens > capacity {self.capacity}")
         lengths = to_device(self.lengths, self.device)
         write_pos = lengths[:, None] + torch.arange(n_new, device=self.device)  # [B, N]
-        n_keys = min(self.capacity, -(-(max(self.lengths) + n_new) // key_bucket) * key_bucket)
+        if longest == 0 and tree_mask is None:  # a prompt's first chunk: plain causal attention (flash on GPUs), no mask to bucket
+            key_bucket = 1
+        n_keys = min(self.capacity, -(-(longest + n_new) // key_bucket) * key_bucket)
         return write_pos, Layout(lengths, tree_mask, n_new, n_keys, self.kernel)
 
     def store(self, layer: int, k, v, write_pos) -> None:

@@ -130,9 +130,10 @@ def plan_memory(args: ModelArgs, dtype: torch.dtype, batch: int, context: int, m
     else:  # the argmax a chunk at a time, in the model's dtype
         logit_tokens, logit_size, what = chunk, size, "greedy: the argmax a chunk of tokens at a time"
     score_matrix = kernel == "sdpa" and cuda  # SDPA with a tree mask runs the math backend on CUDA; flex and triton build none
+    scores, scores_how = math_attention(args, B, n_forward, capacity, size)
     transients = {
         "verify logits": B * logit_tokens * V * logit_size,
-        "verify attention scores": B * args.n_heads * n_forward * capacity * 4 if score_matrix else 0,
+        "verify attention scores": scores if score_matrix else 0,
         "verify MLP": 3 * B * n_forward * I * size,
         "prefill MLP": 3 * B * context * I * size,  # worst case: every row in one chunk; causal SDPA is flash, no scores
     }
@@ -142,14 +143,27 @@ def plan_memory(args: ModelArgs, dtype: torch.dtype, batch: int, context: int, m
         "drafter weights": f"{drafter_params:,} parameters x {size} B",
         "KV cache": f"2 x {L} layers x {B} rows x {args.n_kv_heads} heads x {capacity} slots x {args.head_dim} x {size} B",
         "verify logits": f"{B} rows x {logit_tokens} tokens x {V} vocab x {logit_size} B ({what})",
-        "verify attention scores": (f"{B} rows x {args.n_heads} heads x {n_forward} x {capacity} keys x 4 B (sdpa with a tree "
-                                    f"mask: the math backend's float32 scores)" if score_matrix
-                                    else f"none: {kernel} builds no score matrix" if cuda else f"not counted: {kernel} on a CPU"),
+        "verify attention scores": (scores_how if score_matrix else f"none: {kernel} builds no score matrix" if cuda
+                                    else f"not counted: {kernel} on a CPU"),
         "verify MLP": f"3 x {B} rows x {n_forward} tokens x {I} x {size} B (gate, up, their product)",
         "prefill MLP": f"3 x {B} rows x {context} tokens x {I} x {size} B (one chunk of every row)",
     }
     return MemoryPlan(n_params * size, drafter_params * size, 2 * L * B * args.n_kv_heads * capacity * args.head_dim * size,
                       transients, how)
+
+
+def math_attention(args: ModelArgs, batch: int, queries: int, keys: int, size: int) -> tuple[int, str]:
+    """Bytes PyTorch's math SDPA backend (what SDPA with a tree mask runs on CUDA) holds at once in
+    one layer, and how they were counted: float32 scores and their softmax [B, H, n, S], K and V
+    upcast to float32 when narrower, and repeated to every query head under GQA: the terms a
+    measurement of the same C++ function on a CPU shows (experiments/NOTES.md)."""
+    B, H, Hkv, D = batch, args.n_heads, args.n_kv_heads, args.head_dim
+    scores = 2 * B * H * queries * keys * 4
+    upcast = 2 * B * Hkv * keys * D * 4 if size < 4 else 0
+    repeated = 2 * B * H * keys * D * 4 if H != Hkv else 0
+    how = (f"2 x {B} rows x {H} heads x {queries} x {keys} keys x 4 B (sdpa with a tree mask: the math backend's float32 "
+           f"scores and softmax)" + (", K and V in float32" if upcast else "") + (f" and repeated to {H} heads" if repeated else ""))
+    return scores + upcast + repeated, how
 
 
 def check_fits(plan: MemoryPlan, memory: int, device: str) -> None:
