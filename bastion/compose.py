@@ -16,7 +16,7 @@ from hydra.core.override_parser.types import OverrideType
 from hydra.utils import get_object
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from bastion.budget.hardware import HardwareProfile, profile_from_config
+from bastion.budget.hardware import HardwareProfile, known_profiles, profile_from_config
 from bastion.engine import generate
 from bastion.models.packed_linear import prepack_linears
 from bastion.models.target import compile_forward
@@ -115,8 +115,7 @@ def resolve_bfloat16(choice, device: str) -> bool:
 
 
 def hardware(cfg: DictConfig) -> HardwareProfile:
-    known = [OmegaConf.to_container(OmegaConf.load(p)) for p in sorted(CONF_DIR.glob("gpu/*.yaml"))]
-    return profile_from_config(OmegaConf.to_container(cfg.gpu, resolve=True), cfg.device, [k for k in known if k["name"] != "auto"])
+    return profile_from_config(OmegaConf.to_container(cfg.gpu, resolve=True), cfg.device, known_profiles(CONF_DIR / "gpu"))
 
 
 @dataclass

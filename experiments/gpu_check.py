@@ -2,6 +2,10 @@
 
     python experiments/gpu_check.py out.json                 # one H100/H200, a few minutes
     python experiments/gpu_check.py out.json --smoke         # every section on the CPU, a tiny shape
+    PYTHONPATH=. python3 experiments/gpu_check.py out.json   # from the checkout, bastion not installed
+
+It needs PyTorch, transformers, safetensors, numpy, PyYAML and tqdm, not the config stack
+(hydra, omegaconf): a GPU machine's stock image runs it as it is.
 
 A random-weight target shaped like Qwen3-8B (bf16) and a random drafter shaped like
 z-lab/Qwen3-8B-DFlash-b16 stand in for the real models: none of the checks below needs trained
@@ -43,14 +47,13 @@ from statistics import median
 
 import numpy as np
 import torch
-from omegaconf import OmegaConf
+import yaml
 
 from bastion.bench.divergence import first_difference, gap_after, is_tie
 from bastion.budget.controller import BastionBudget
 from bastion.budget.fixed import FixedBudget
-from bastion.budget.hardware import device_name
+from bastion.budget.hardware import device_name, known_profiles, profile_from_config
 from bastion.budget.latency import PROBE_SIZES, LatencyModel, probe
-from bastion.compose import hardware
 from bastion.drafters.dflash import DFlashDrafter, evenly_spaced_layers, new_dflash_config
 from bastion.drafters.eagle3 import Eagle3Drafter, new_eagle3_config
 from bastion.engine import generate
@@ -127,8 +130,8 @@ SMOKE = Scale(
 def target_fields(name: str) -> dict:
     """A target preset's transformers config fields: a Hub model's `shape`, a random one's
     `hf_config`; an initializer_range where the preset has none (Qwen3's own, 0.02)."""
-    entry = OmegaConf.load(ROOT / "conf" / "target" / f"{name}.yaml")
-    return {"initializer_range": 0.02, **OmegaConf.to_container(entry.get("shape") or entry.hf_config, resolve=True)}
+    entry = yaml.safe_load((ROOT / "conf" / "target" / f"{name}.yaml").read_text())
+    return {"initializer_range": 0.02, **(entry.get("shape") or entry["hf_config"])}
 
 
 @contextlib.contextmanager
@@ -184,7 +187,7 @@ class Run:
         s, target = self.scale, self.target
         layers = evenly_spaced_layers(target.args.n_layers, s.feature_layers)
         config = new_dflash_config(target, s.drafter_layers, s.block_size, layers, s.mask_token_id)
-        top_k = OmegaConf.load(ROOT / "conf" / "drafter" / "dflash.yaml").top_k
+        top_k = yaml.safe_load((ROOT / "conf" / "drafter" / "dflash.yaml").read_text())["top_k"]
         with torch.device(s.device), default_dtype(s.dtype):
             drafter = DFlashDrafter(config, target, top_k=top_k)
         randomize(drafter, target.config.initializer_range, torch.Generator(s.device).manual_seed(1))
@@ -206,7 +209,7 @@ class Run:
     @cached_property
     def hardware(self):
         """The profile run.py's gpu=auto picks: conf/gpu/<name>.yaml matched by the device's name."""
-        return hardware(OmegaConf.create({"gpu": {"name": "auto"}, "device": self.scale.device}))
+        return profile_from_config({"name": "auto"}, self.scale.device, known_profiles(ROOT / "conf" / "gpu"))
 
 
 def random_prompts(n: int, lengths: tuple[int, int], vocab: int, seed: int) -> list[list[int]]:

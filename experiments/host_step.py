@@ -18,9 +18,7 @@ from pathlib import Path
 from statistics import median
 
 import torch
-from hydra import compose, initialize_config_dir
 
-from bastion.compose import build, build_target, hardware
 from bastion.drafters.base import DraftContext, Drafter
 from bastion.engine import generate
 from bastion.tree.proposal import BlockProposal
@@ -71,6 +69,11 @@ def step_split(target, policy, budget, batch: int, max_new_tokens: int = 24) -> 
 
 
 def main(argv: list[str]) -> None:
+    # the config stack is imported here, not above: gpu_check.py takes step_split to GPU machines that lack it
+    from hydra import compose, initialize_config_dir
+
+    from bastion.compose import build, build_target, hardware
+
     lists, overrides = parse(argv)
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
         cfg = compose("config", overrides=["target=tiny_qwen3", "device=cpu", "tree=best_first", "budget=fixed", *overrides])

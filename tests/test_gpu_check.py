@@ -18,7 +18,12 @@ SECTIONS = ("target", "logits", "attention", "verify_latency", "lossless", "memo
 
 @pytest.mark.slow
 def test_smoke_run_reports_every_section(tmp_path):
-    env = {**os.environ, "OUT": str(tmp_path)}  # the default output path: $OUT/gpu_check.json
+    # as on a GPU machine's own image: PyTorch and transformers, none of this project's config stack
+    for name in ("hydra", "omegaconf"):
+        (tmp_path / "absent" / name).mkdir(parents=True)
+        (tmp_path / "absent" / name / "__init__.py").write_text(f"raise ImportError('no {name} here')\n")
+    path = os.pathsep.join(filter(None, [str(tmp_path / "absent"), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHONPATH": path}  # the default output path: $OUT/gpu_check.json
     if importlib.util.find_spec("triton") is not None:
         env["TRITON_INTERPRET"] = "1"
     result = subprocess.run([sys.executable, str(ROOT / "experiments" / "gpu_check.py"), "--smoke"], cwd=tmp_path, env=env,

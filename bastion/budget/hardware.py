@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import yaml
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,12 @@ def device_name(device: str) -> str:
     lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
     model = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "")
     return model or platform.processor() or platform.machine()
+
+
+def known_profiles(directory: Path) -> list[dict]:
+    """The profiles in `directory` (conf/gpu) that gpu=auto matches a device against: every one but auto."""
+    entries = (yaml.safe_load(path.read_text()) for path in sorted(directory.glob("*.yaml")))
+    return [entry for entry in entries if entry["name"] != "auto"]
 
 
 def profile_from_config(cfg: dict, device: str, known: list[dict]) -> HardwareProfile:
