@@ -277,6 +277,7 @@ def section_logits(run: Run) -> dict:
     return out
 
 
+@torch.inference_mode()  # as the engine's forwards run: compiled flex would otherwise compile again for grad mode
 def section_attention(run: Run) -> dict:
     """Each kernel on one paper-scale verify: q/k/v drawn in the model's dtype, a random tree per
     row after a ragged verified prefix. Errors against sdpa (the library's dense-mask path) and
@@ -445,6 +446,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--smoke", action="store_true", help="every section on the CPU with a tiny shape (~1 min)")
     parser.add_argument("--attention", default="auto", help="the target's kernel: auto, sdpa, flex, triton")
     parser.add_argument("--only", default=",".join(SECTIONS), help=f"some of {', '.join(SECTIONS)}, comma-separated")
+    parser.add_argument("--deadline", type=float, default=0.0,
+                        help="seconds after which the sections not yet started are skipped (0: none): a run killed at "
+                             "a time limit loses the section it was in, a deadline below the limit loses none")
     args = parser.parse_args(argv)
     scale = SMOKE if args.smoke else PAPER
     if scale.device == "cuda" and not torch.cuda.is_available():
@@ -464,7 +468,10 @@ def main(argv: list[str]) -> int:
         for name, section in SECTIONS.items():
             if name not in args.only.split(","):
                 continue
-            result = report["sections"][name] = run_section(run, section)
+            if args.deadline and time.perf_counter() - started > args.deadline:
+                result = report["sections"][name] = {"ok": False, "error": f"skipped: past the {args.deadline:g} s deadline", "seconds": 0.0}
+            else:
+                result = report["sections"][name] = run_section(run, section)
             report["wall_s"] = time.perf_counter() - started
             atomic_write_text(args.out, json.dumps(report, indent=1, default=plain))
             last = "" if result["ok"] else ": " + result["error"]

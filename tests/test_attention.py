@@ -73,6 +73,8 @@ def test_flex_equals_the_reference():
         q, k, v, layout = case(**shape)
         flex = Layout(layout.prefix, layout.tree, layout.n_new, layout.n_keys, "flex")
         assert torch.allclose(attend(q, k, v, flex), reference(q, k, v, layout), atol=1e-5)
+        # a prompt's first chunk takes SDPA's causal path (flash on a GPU): no block mask is built for it
+        assert (flex.block_mask is None) == flex.causal_only
 
 
 def test_kernel_choice():

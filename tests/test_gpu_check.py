@@ -52,3 +52,15 @@ def test_smoke_run_reports_every_section(tmp_path):
     assert lossless["eagle3+best_first+fixed59"]["exact"]  # float32 on the CPU: no near-ties to forgive
     assert sections["memory"]["plan_peak_gb"] > 0 and sections["memory"]["measured_peak_gb"] is None  # no CUDA allocator
     assert len(sections["host_step"]["cells"]) == 4
+
+
+def test_sections_past_the_deadline_are_skipped_and_reported(tmp_path):
+    """A device run has a hard time limit: past --deadline the sections not yet started are
+    skipped (here every one: the deadline is past before the first), so the one in flight when
+    the limit strikes is never lost."""
+    out = tmp_path / "gpu_check.json"
+    result = subprocess.run([sys.executable, str(ROOT / "experiments" / "gpu_check.py"), str(out), "--smoke",
+                             "--only", "target,logits", "--deadline", "1e-9"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1, result.stderr[-2000:]
+    skipped = {"ok": False, "error": "skipped: past the 1e-09 s deadline", "seconds": 0.0}
+    assert json.loads(out.read_text())["sections"] == {"target": skipped, "logits": skipped}

@@ -132,6 +132,9 @@ def test_a_plan_over_the_memory_names_its_largest_part():
     assert sdpa.total == sdpa.target_weights + sdpa.kv_cache + sdpa.transients["verify attention scores"]
     assert plan_memory(args, torch.float32, 16, 4096, 128, 256, "sdpa").transients["verify attention scores"] == \
         2 * 16 * 32 * 257 * keys * 4 + 2 * 16 * 32 * keys * 128 * 4  # float32: nothing to upcast
+    # flex builds no score matrix, but create_block_mask's temporaries span every query and key of a forward
+    flex = plan_memory(args, torch.bfloat16, 16, 4096, 128, 1024, "flex").transients
+    assert flex["verify attention scores"] == 0 and flex["verify block mask"] == 16 * 1025 * (4096 + 128 + 1025) * 16
     # greedy verification takes the argmax 32 tokens at a time (2^26 logits), and so do keyed scores at T > 0 (with
     # float32 logits and float64 temporaries); sampled children read every node's float32 logits and probabilities
     assert sdpa.transients["verify logits"] == 16 * 32 * 128256 * 2

@@ -8,10 +8,11 @@ it at paper scale, where a dense float32 score tensor per layer does not fit (B=
 N=257, S=4353: 2.3 GB). SDPA, the CPU path, gets the dense [B, 1, N, S] mask built from it;
 drafters that attend over their own context pass such dense masks directly.
 
-Kernels: `sdpa` (PyTorch's scaled_dot_product_attention; with no tree and nothing verified it is
-plain causal attention and takes no mask, so a prefill reaches the flash kernel on GPUs), `flex`
-(FlexAttention over a block mask from the layout, compiled) and `triton` (our tree attention,
-models/triton_attention.py). `auto` is flex on CUDA and sdpa elsewhere.
+Kernels: `sdpa` (PyTorch's scaled_dot_product_attention), `flex` (FlexAttention over a block
+mask from the layout, compiled) and `triton` (our tree attention, models/triton_attention.py).
+`auto` is flex on CUDA and sdpa elsewhere. Whatever the kernel, a forward with no tree and nothing
+verified (a prompt's first chunk) is plain causal attention and takes SDPA's causal path with no
+mask: the flash kernel on GPUs, with no block mask to build nor a shape to compile flex for.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ class Layout:
     def __post_init__(self):
         # built when the layout is made, before the forward: inside a compiled forward (decode.compile) a lazy
         # build (functools.cached_property takes a lock on Python 3.11) splits the graph at every layer
-        if self.kernel == "flex":
+        if self.kernel == "flex" and not self.causal_only:
             object.__setattr__(self, "block_mask", self._flex_block_mask())
 
     @property
@@ -71,7 +72,8 @@ class Layout:
     def _flex_block_mask(self):
         from torch.nn.attention.flex_attention import create_block_mask
 
-        prefix, tree, N = self.prefix, self.tree, self.n_new
+        # contiguous: a packed tree is a slice [:, :, :N] of wider rows, and compiled flex guards on strides
+        prefix, tree, N = self.prefix, None if self.tree is None else self.tree.contiguous(), self.n_new
         if tree is None:
             def visible(b, h, i, s):
                 return s <= prefix[b] + i
@@ -88,14 +90,14 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Layout | tor
     gqa = q.shape[1] != k.shape[1]
     if isinstance(mask, torch.Tensor):
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    elif mask.causal_only:  # a prompt's first chunk, whatever the kernel: flash on GPUs, GQA included
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     elif mask.kernel == "flex":
         out = _flex(q.device.type)(q, k, v, block_mask=mask.block_mask, enable_gqa=gqa)
     elif mask.kernel == "triton":
         from bastion.models.triton_attention import tree_attention
 
         out = tree_attention(q, k, v, mask.prefix, mask.tree)
-    elif mask.causal_only:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     else:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense(), enable_gqa=gqa)
     B, H, N, D = out.shape

@@ -21,6 +21,7 @@ import torch
 from bastion.models.target import ARGMAX_CHUNK, cache_slots, token_bucket
 from bastion.models.transformer import ModelArgs
 
+BLOCK_MASK_BYTES = 16  # per query x key of a flex forward: what create_block_mask holds at once (experiments/NOTES.md)
 HEADROOM = 0.9  # the share of device memory a plan may fill; the rest is for what it leaves out
 GB = 1e9
 
@@ -31,6 +32,7 @@ ADVICE = {
     "KV cache": "lower decode.batch_size, budget.max_nodes or plan_context (the prompt tokens per row it assumes)",
     "verify logits": "lower budget.max_nodes or decode.batch_size",
     "verify attention scores": "lower budget.max_nodes or decode.batch_size, or use attention=flex",
+    "verify block mask": "lower budget.max_nodes or decode.batch_size",
     "verify MLP": "lower budget.max_nodes or decode.batch_size",
     "prefill MLP": "lower decode.batch_size or plan_context (the prompt tokens per row it assumes)",
 }
@@ -134,6 +136,7 @@ def plan_memory(args: ModelArgs, dtype: torch.dtype, batch: int, context: int, m
     transients = {
         "verify logits": B * logit_tokens * V * logit_size,
         "verify attention scores": scores if score_matrix else 0,
+        "verify block mask": B * n_forward * capacity * BLOCK_MASK_BYTES if kernel == "flex" and cuda else 0,
         "verify MLP": 3 * B * n_forward * I * size,
         "prefill MLP": 3 * B * context * I * size,  # worst case: every row in one chunk; causal SDPA is flash, no scores
     }
@@ -145,6 +148,8 @@ def plan_memory(args: ModelArgs, dtype: torch.dtype, batch: int, context: int, m
         "verify logits": f"{B} rows x {logit_tokens} tokens x {V} vocab x {logit_size} B ({what})",
         "verify attention scores": (scores_how if score_matrix else f"none: {kernel} builds no score matrix" if cuda
                                     else f"not counted: {kernel} on a CPU"),
+        "verify block mask": (f"{B} rows x {n_forward} x {capacity} keys x {BLOCK_MASK_BYTES} B (create_block_mask's dense "
+                              f"temporaries, before the layers run)" if kernel == "flex" and cuda else "none: not flex on CUDA"),
         "verify MLP": f"3 x {B} rows x {n_forward} tokens x {I} x {size} B (gate, up, their product)",
         "prefill MLP": f"3 x {B} rows x {context} tokens x {I} x {size} B (one chunk of every row)",
     }
