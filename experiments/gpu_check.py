@@ -375,7 +375,8 @@ def section_memory(run: Run) -> dict:
     B, context, new, nodes = s.memory_batch, s.memory_context, s.memory_tokens, s.memory_nodes
     plan = plan_memory(target.args, target.dtype, batch=B, context=context, max_new_tokens=new, max_nodes=nodes,
                        kernel=target.attention, drafter_params=sum(p.numel() for p in drafter.parameters()),
-                       extra_tokens=drafter.extra_tokens(nodes), cuda=s.device == "cuda")
+                       extra_tokens=drafter.extra_tokens(nodes), captured_layers=len(drafter.feature_layers),
+                       drafter_kv_width=2 * drafter.args.n_layers * drafter.args.n_kv_heads * drafter.args.head_dim, cuda=s.device == "cuda")
     out = {"batch": B, "context": context, "new_tokens": new, "nodes": nodes, "kernel": target.attention,
            "plan_gb": {part: n / GB for part, n in {**plan.resident, **plan.transients}.items()},
            "plan_peak_gb": plan.total / GB, "plan_largest_transient": plan.largest_transient, "measured_peak_gb": None}

@@ -119,6 +119,26 @@ def test_a_flexdraft_plan_counts_its_mask_groups():
     assert plan.drafter_weights > 0
 
 
+@pytest.mark.parametrize("drafter,layers", [("dflash", 5), ("eagle3", 3)])
+def test_a_plan_counts_the_target_features_a_drafter_reads(drafter, layers):
+    """A prefill keeps the outputs of the layers a drafter reads for every prompt token (each
+    layer's, their concatenation, the engine's buffer): more than the MLP's on Qwen3-8B."""
+    from hydra import compose, initialize_config_dir
+
+    from bastion.bench.plan import drafter_checkpoints, memory_plan
+    from bastion.compose import plan_methods
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=["target=smollm2_135m", f"drafter={drafter}", "budget=fixed", "budget.nodes=16"])
+    drafters, _ = drafter_checkpoints([p for p in plan_methods(cfg) if p.node is not None])
+    plan = memory_plan(cfg, 16, drafters, cuda=True)
+    assert plan.transients["prefill features"] == 3 * layers * cfg.decode.batch_size * cfg.plan_context * 576 * 4
+    assert memory_plan(cfg, 16, [], cuda=True).transients["prefill features"] == 0
+    # and its own KV cache over the target's slots, as wide as its layers' keys and values (3 KV heads of 64, as the target's)
+    drafter_layers = {"dflash": 2, "eagle3": 1}[drafter]
+    assert plan.drafter_kv_cache * 30 == plan.kv_cache * drafter_layers  # SmolLM2: 30 layers
+
+
 def test_a_plan_over_the_memory_names_its_largest_part():
     args = model_args(shape("llama31_8b"))
     plan = plan_memory(args, torch.float32, 1, 1024, 128, 16, "flex")

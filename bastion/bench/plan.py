@@ -10,6 +10,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from bastion.compose import MethodPlan, local_dir
+from bastion.drafters.dflash import target_layer_ids
+from bastion.drafters.eagle3 import feature_layers
 from bastion.drafters.flexdraft import mask_slots
 from bastion.files import read_json
 from bastion.models.attention import choose_kernel
@@ -74,10 +76,11 @@ def memory_plan(cfg: DictConfig, max_nodes: int, drafters: list[tuple[str, Path]
     else:
         return None
     kernel = choose_kernel(cfg.get("attention", "auto"), "cuda" if cuda else "cpu")
-    d = cfg.decode
-    return plan_memory(model_args(shape), dtype, d.batch_size, cfg.plan_context, d.max_new_tokens, max_nodes, kernel,
+    d, args = cfg.decode, model_args(shape)
+    return plan_memory(args, dtype, d.batch_size, cfg.plan_context, d.max_new_tokens, max_nodes, kernel,
                        sum(checkpoint_parameters(path) for _, path in drafters), extra_tokens(drafters, max_nodes),
-                       cuda=cuda, sampled=d.temperature > 0, compiled=d.get("compile", False), ranked=d.tree_mode == "ranked")
+                       captured_layers(drafters, args.n_layers), drafter_kv_width(drafters), cuda=cuda, sampled=d.temperature > 0,
+                       compiled=d.get("compile", False), ranked=d.tree_mode == "ranked")
 
 
 def drafter_checkpoints(drafting: list[MethodPlan]) -> tuple[list[tuple[str, Path]], list[str]]:
@@ -98,3 +101,22 @@ def extra_tokens(drafters: list[tuple[str, Path]], max_nodes: int) -> int:
     from the checkpoints' configs: FlexDraft's mask groups."""
     return max((mask_slots(read_json(path / "config.json", "train or download it again")["group_size"], max_nodes)
                 for name, path in drafters if name == "flexdraft"), default=0)
+
+
+def captured_layers(drafters: list[tuple[str, Path]], n_target_layers: int) -> int:
+    """The most target layers a drafter reads the outputs of (DFlash's target_layer_ids, EAGLE-3's
+    three), from the checkpoints' configs: a prefill keeps them for every prompt token."""
+    readers = {"dflash": target_layer_ids, "eagle3": lambda config: feature_layers(config, n_target_layers)}
+    return max((len(readers[name](read_json(path / "config.json", "train or download it again")))
+                for name, path in drafters if name in readers), default=0)
+
+
+def drafter_kv_width(drafters: list[tuple[str, Path]]) -> int:
+    """The keys and values per row and slot the widest drafter's own KV cache holds (DFlash's
+    layers, EAGLE-3's one), from the checkpoints' configs."""
+    widths = []
+    for name, path in drafters:
+        if name in ("dflash", "eagle3"):
+            args = model_args({"model_type": "qwen3", **read_json(path / "config.json", "train or download it again")})
+            widths.append(2 * (args.n_layers if name == "dflash" else 1) * args.n_kv_heads * args.head_dim)
+    return max(widths, default=0)

@@ -38,7 +38,7 @@ class DFlashDrafter(nn.Module, DraftVocabulary, Drafter):
         self.config = config
         self.block_size = int(block_size or dflash.get("block_size") or config["block_size"])  # root + drafts
         self.mask_token_id = int(dflash.get("mask_token_id", config.get("mask_token_id")))
-        self.feature_layers = tuple(dflash.get("target_layer_ids", config.get("target_layer_ids")))
+        self.feature_layers = target_layer_ids(config)
         self.embedding_scale = float(dflash.get("input_embedding_scale", 1.0))
         self.top_k = top_k
         hf_config = AutoConfig.for_model(**{**config, "model_type": "qwen3"})
@@ -159,6 +159,11 @@ def check_fits(drafter: DFlashDrafter, target: Target) -> None:
         problems.append(f"mask_token_id {drafter.mask_token_id} outside the vocab")
     if problems:
         raise ValueError(f"This DFlash drafter does not fit target {target.name}: {'; '.join(problems)}.")
+
+
+def target_layer_ids(config: dict) -> tuple[int, ...]:
+    """The target layers whose outputs a DFlash checkpoint's config says it reads."""
+    return tuple((config.get("dflash_config") or {}).get("target_layer_ids", config.get("target_layer_ids")))
 
 
 def new_dflash_config(target: Target, layers: int, block_size: int, target_layer_ids: list[int], mask_token_id: int,

@@ -29,12 +29,14 @@ GB = 1e9
 ADVICE = {
     "target weights": "use a smaller target.dtype (bfloat16 is half of float32) or a smaller target",
     "drafter weights": "use a smaller drafter",
+    "drafter KV cache": "lower decode.batch_size or plan_context (the prompt tokens per row it assumes)",
     "KV cache": "lower decode.batch_size, budget.max_nodes or plan_context (the prompt tokens per row it assumes)",
     "verify logits": "lower budget.max_nodes or decode.batch_size",
     "verify attention scores": "lower budget.max_nodes or decode.batch_size, or use attention=flex",
     "verify block mask": "lower budget.max_nodes or decode.batch_size",
     "verify MLP": "lower budget.max_nodes or decode.batch_size",
     "prefill MLP": "lower decode.batch_size or plan_context (the prompt tokens per row it assumes)",
+    "prefill features": "lower decode.batch_size or plan_context (the prompt tokens per row it assumes)",
 }
 
 
@@ -45,12 +47,14 @@ class MemoryPlan:
     target_weights: int
     drafter_weights: int
     kv_cache: int
+    drafter_kv_cache: int
     transients: dict[str, int]  # what one forward adds at its largest point, by where; only the largest counts
     how: dict[str, str]
 
     @property
     def resident(self) -> dict[str, int]:
-        return {"target weights": self.target_weights, "drafter weights": self.drafter_weights, "KV cache": self.kv_cache}
+        return {"target weights": self.target_weights, "drafter weights": self.drafter_weights, "KV cache": self.kv_cache,
+                "drafter KV cache": self.drafter_kv_cache}
 
     @property
     def largest_transient(self) -> str:
@@ -108,11 +112,16 @@ def checkpoint_parameters(path: Path) -> int:
 
 
 def plan_memory(args: ModelArgs, dtype: torch.dtype, batch: int, context: int, max_new_tokens: int, max_nodes: int,
-                kernel: str, drafter_params: int = 0, extra_tokens: int = 0, cuda: bool = True,
+                kernel: str, drafter_params: int = 0, extra_tokens: int = 0, captured_layers: int = 0, drafter_kv_width: int = 0,
+                cuda: bool = True,
                 sampled: bool = False, compiled: bool = False, ranked: bool = True) -> MemoryPlan:
     """The peak of decoding `batch` prompts of `context` tokens for `max_new_tokens` with trees of
     up to `max_nodes` draft nodes (0: AR only) under the attention `kernel`, weights in `dtype`.
     `extra_tokens`: cache slots a verify forward uses beyond its tree (Drafter.extra_tokens);
+    `captured_layers`: target layers whose outputs the drafter reads (a prefill keeps them for
+    every prompt token: each layer's output, their concatenation, the engine's buffer of them);
+    `drafter_kv_width`: the keys and values a drafter caches per row and slot (2 x its layers x
+    KV heads x head_dim), over the target cache's slots;
     `sampled`: temperature > 0, where `ranked` children (decode.tree_mode) are verified by keyed
     scores a chunk of tokens at a time and sampled children read every node's float32 logits
     and probabilities (greedy verification takes Target.argmax's chunks of the logits alone);
@@ -139,12 +148,14 @@ def plan_memory(args: ModelArgs, dtype: torch.dtype, batch: int, context: int, m
         "verify block mask": B * n_forward * capacity * BLOCK_MASK_BYTES if kernel == "flex" and cuda else 0,
         "verify MLP": 3 * B * n_forward * I * size,
         "prefill MLP": 3 * B * context * I * size,  # worst case: every row in one chunk; causal SDPA is flash, no scores
+        "prefill features": 3 * captured_layers * B * context * args.hidden_size * size,
     }
     dtype_name = str(dtype).removeprefix("torch.")
     how = {
         "target weights": f"{n_params:,} parameters x {size} B ({dtype_name})",
         "drafter weights": f"{drafter_params:,} parameters x {size} B",
         "KV cache": f"2 x {L} layers x {B} rows x {args.n_kv_heads} heads x {capacity} slots x {args.head_dim} x {size} B",
+        "drafter KV cache": f"{B} rows x {capacity} slots x {drafter_kv_width} values x {size} B",
         "verify logits": f"{B} rows x {logit_tokens} tokens x {V} vocab x {logit_size} B ({what})",
         "verify attention scores": (scores_how if score_matrix else f"none: {kernel} builds no score matrix" if cuda
                                     else f"not counted: {kernel} on a CPU"),
@@ -152,9 +163,11 @@ def plan_memory(args: ModelArgs, dtype: torch.dtype, batch: int, context: int, m
                               f"temporaries, before the layers run)" if kernel == "flex" and cuda else "none: not flex on CUDA"),
         "verify MLP": f"3 x {B} rows x {n_forward} tokens x {I} x {size} B (gate, up, their product)",
         "prefill MLP": f"3 x {B} rows x {context} tokens x {I} x {size} B (one chunk of every row)",
+        "prefill features": (f"3 x {captured_layers} layers x {B} rows x {context} tokens x {args.hidden_size} x {size} B (the "
+                             f"drafter's target features: each layer's output, their concatenation, the engine's buffer)"),
     }
     return MemoryPlan(n_params * size, drafter_params * size, 2 * L * B * args.n_kv_heads * capacity * args.head_dim * size,
-                      transients, how)
+                      B * capacity * drafter_kv_width * size, transients, how)
 
 
 def math_attention(args: ModelArgs, batch: int, queries: int, keys: int, size: int) -> tuple[int, str]:
