@@ -303,7 +303,8 @@ def section_attention(run: Run) -> dict:
                        "max_abs_err_vs_float32": float((got.float() - exact).abs().max()),
                        "median_ms": 1e3 * median_seconds(lambda: attend(q, k, v, kernel_layout), s.device, s.repeats)}
     if "flex" in s.kernels:
-        out["flex"]["block_mask_ms"] = 1e3 * median_seconds(lambda: replace(layout, kernel="flex"), s.device, s.repeats)  # made with its block mask
+        out["flex"]["block_mask_ms"] = 1e3 * median_seconds(lambda: replace(layout, kernel="flex"),  # made with its block mask
+                                                             s.device, s.repeats)
     return out
 
 
@@ -376,7 +377,8 @@ def section_memory(run: Run) -> dict:
     plan = plan_memory(target.args, target.dtype, batch=B, context=context, max_new_tokens=new, max_nodes=nodes,
                        kernel=target.attention, drafter_params=sum(p.numel() for p in drafter.parameters()),
                        extra_tokens=drafter.extra_tokens(nodes), captured_layers=len(drafter.feature_layers),
-                       drafter_kv_width=2 * drafter.args.n_layers * drafter.args.n_kv_heads * drafter.args.head_dim, cuda=s.device == "cuda")
+                       drafter_kv_width=2 * drafter.args.n_layers * drafter.args.n_kv_heads * drafter.args.head_dim,
+                       cuda=s.device == "cuda")
     out = {"batch": B, "context": context, "new_tokens": new, "nodes": nodes, "kernel": target.attention,
            "plan_gb": {part: n / GB for part, n in {**plan.resident, **plan.transients}.items()},
            "plan_peak_gb": plan.total / GB, "plan_largest_transient": plan.largest_transient, "measured_peak_gb": None}
@@ -470,7 +472,8 @@ def main(argv: list[str]) -> int:
             if name not in args.only.split(","):
                 continue
             if args.deadline and time.perf_counter() - started > args.deadline:
-                result = report["sections"][name] = {"ok": False, "error": f"skipped: past the {args.deadline:g} s deadline", "seconds": 0.0}
+                skipped = f"skipped: past the {args.deadline:g} s deadline"
+                result = report["sections"][name] = {"ok": False, "error": skipped, "seconds": 0.0}
             else:
                 result = report["sections"][name] = run_section(run, section)
             report["wall_s"] = time.perf_counter() - started

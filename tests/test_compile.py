@@ -85,7 +85,8 @@ def test_a_compiled_forward_with_flex_attention_is_one_graph():
     write_pos, layout = cache.prepare(4, tree)
     positions = layout.prefix[:, None] + torch.tensor([0, 1, 1, 2])
     with torch.no_grad():  # FlexAttention has no backward on a CPU
-        explained = torch._dynamo.explain(target.model)(torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]]), positions, layout, cache, write_pos, ())
+        tokens = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
+        explained = torch._dynamo.explain(target.model)(tokens, positions, layout, cache, write_pos, ())
     assert explained.graph_break_count == 0, [b.reason.splitlines()[0] for b in explained.break_reasons]
 
 

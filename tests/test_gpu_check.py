@@ -59,8 +59,9 @@ def test_sections_past_the_deadline_are_skipped_and_reported(tmp_path):
     skipped (here every one: the deadline is past before the first), so the one in flight when
     the limit strikes is never lost."""
     out = tmp_path / "gpu_check.json"
-    result = subprocess.run([sys.executable, str(ROOT / "experiments" / "gpu_check.py"), str(out), "--smoke",
-                             "--only", "target,logits", "--deadline", "1e-9"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    command = [sys.executable, str(ROOT / "experiments" / "gpu_check.py"), str(out), "--smoke", "--only", "target,logits",
+               "--deadline", "1e-9"]
+    result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert result.returncode == 1, result.stderr[-2000:]
     skipped = {"ok": False, "error": "skipped: past the 1e-09 s deadline", "seconds": 0.0}
     assert json.loads(out.read_text())["sections"] == {"target": skipped, "logits": skipped}

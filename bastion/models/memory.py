@@ -112,9 +112,9 @@ def checkpoint_parameters(path: Path) -> int:
 
 
 def plan_memory(args: ModelArgs, dtype: torch.dtype, batch: int, context: int, max_new_tokens: int, max_nodes: int,
-                kernel: str, drafter_params: int = 0, extra_tokens: int = 0, captured_layers: int = 0, drafter_kv_width: int = 0,
-                cuda: bool = True,
-                sampled: bool = False, compiled: bool = False, ranked: bool = True) -> MemoryPlan:
+                kernel: str, drafter_params: int = 0, extra_tokens: int = 0, captured_layers: int = 0,
+                drafter_kv_width: int = 0, cuda: bool = True, sampled: bool = False, compiled: bool = False,
+                ranked: bool = True) -> MemoryPlan:
     """The peak of decoding `batch` prompts of `context` tokens for `max_new_tokens` with trees of
     up to `max_nodes` draft nodes (0: AR only) under the attention `kernel`, weights in `dtype`.
     `extra_tokens`: cache slots a verify forward uses beyond its tree (Drafter.extra_tokens);

@@ -31,7 +31,8 @@ from bastion.tree.proposal import BlockProposal, TreeProposal
 
 def best_first(proposal: BlockProposal | TreeProposal, max_nodes: int) -> list[DraftTree]:
     if isinstance(proposal, TreeProposal):
-        logq, parents, tokens = torch.stack([proposal.logq.double(), proposal.parents.double(), proposal.tokens.double()]).cpu().numpy()  # one transfer
+        columns = [proposal.logq.double(), proposal.parents.double(), proposal.tokens.double()]
+        logq, parents, tokens = torch.stack(columns).cpu().numpy()  # one transfer
         return best_nodes(logq.astype(np.float32), parents.astype(np.int64), tokens.astype(np.int64), max_nodes)
     B, K, k = proposal.tokens.shape
     if max_nodes < 1 or K == 0:
