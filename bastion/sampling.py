@@ -67,16 +67,15 @@ class Sampling:
         return self.greedy or self.tree_mode == "ranked"
 
     def scores(self, logits: torch.Tensor, seed: int, keys: torch.Tensor, start: torch.Tensor, depths: torch.Tensor,
-               levels: int | None = None) -> torch.Tensor:
+               levels: int) -> torch.Tensor:
         """logits [B, M, V] of tree nodes at `depths` [B, M] below roots whose next token is
         output position `start` [B], rows keyed `keys` [B] -> scores whose argmax is the keyed
         sample: the logits themselves at temperature 0, else log p + Gumbel noise (float64, so
         the noise's tail survives the sum). Noise is drawn once per depth, not per node, for
-        `levels` depths (more than any node's; by default read from `depths`, a wait for the
-        device)."""
+        `levels` depths (more than any node's, known on the host: reading `depths` would wait
+        for the device)."""
         if self.greedy:
             return logits
-        levels = int(depths.max()) + 1 if levels is None else levels
         noise = gumbel(seed, keys, start[:, None] + torch.arange(levels, device=start.device), logits.shape[-1])  # [B, D, V]
         noise = noise.gather(1, depths[:, :, None].expand(-1, -1, logits.shape[-1]))  # [B, M, V]
         return self.probs(logits).double().log() + noise

@@ -226,12 +226,12 @@ def test_noise_shared_across_positions_fails_the_test(tiny16, monkeypatch):
 def test_keyed_scores_a_chunk_of_nodes_at_a_time_take_the_same_samples(tiny16):
     """Verification takes keyed samples a few nodes at a time (Target.argmax's chunks; float64
     scores of every node at once would need 8x the logits' memory): one node at a time here,
-    against every node at once, with noise levels given (no read of the depths) and read."""
+    against every node at once."""
     sampling = Sampling(temperature=0.8, top_k=20, top_p=0.9)
     hidden = torch.randn(2, 7, tiny16.args.hidden_size, generator=torch.Generator().manual_seed(0)).to(tiny16.dtype)
     depths = torch.tensor([[0, 1, 1, 2, 3, 2, 4], [0, 1, 2, 3, 4, 5, 6]])
     keys, start = torch.tensor([3, 9]), torch.tensor([5, 40])
-    whole = sampling.scores(tiny16.logits(hidden), 7, keys, start, depths).argmax(-1)
+    whole = sampling.scores(tiny16.logits(hidden), 7, keys, start, depths, levels=7).argmax(-1)
 
     def keyed(logits, nodes):
         return sampling.scores(logits, 7, keys, start, depths[:, nodes], levels=7)
