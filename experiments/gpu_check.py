@@ -35,6 +35,7 @@ import gc
 import json
 import os
 import random
+import signal
 import sys
 import tempfile
 import time
@@ -424,12 +425,20 @@ def version(package: str) -> str | None:
         return None
 
 
-def run_section(run: Run, section) -> dict:
-    """One section's figures, or its traceback; its seconds, and on CUDA its peak allocation."""
+def out_of_time(signum, frame):
+    raise TimeoutError("past its time limit (--section-limit)")
+
+
+def run_section(run: Run, section, limit: float) -> dict:
+    """One section's figures, or its traceback; its seconds, and on CUDA its peak allocation. A
+    section still running after `limit` seconds (0: none) is stopped by an alarm, so one that
+    hangs (a compile that never ends) costs its limit and not the sections after it."""
     cuda = run.scale.device == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     started = time.perf_counter()
+    signal.signal(signal.SIGALRM, out_of_time)
+    signal.setitimer(signal.ITIMER_REAL, limit)
     try:
         result = {"ok": True, **section(run)}
         if cuda:
@@ -437,6 +446,8 @@ def run_section(run: Run, section) -> dict:
     except Exception as error:  # every section runs and reports, whatever another one raised
         summary = f"{type(error).__name__}: {error}".splitlines()[0]
         result = {"ok": False, "error": summary, "traceback": traceback.format_exc()}
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
     result["seconds"] = time.perf_counter() - started
     if cuda:
         result["peak_allocated_gb"] = torch.cuda.max_memory_allocated() / GB
@@ -452,6 +463,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--deadline", type=float, default=0.0,
                         help="seconds after which the sections not yet started are skipped (0: none): a run killed at "
                              "a time limit loses the section it was in, a deadline below the limit loses none")
+    parser.add_argument("--section-limit", type=float, default=0.0,
+                        help="seconds after which a running section is stopped and recorded as failed (0: none)")
     args = parser.parse_args(argv)
     scale = SMOKE if args.smoke else PAPER
     if scale.device == "cuda" and not torch.cuda.is_available():
@@ -475,7 +488,7 @@ def main(argv: list[str]) -> int:
                 skipped = f"skipped: past the {args.deadline:g} s deadline"
                 result = report["sections"][name] = {"ok": False, "error": skipped, "seconds": 0.0}
             else:
-                result = report["sections"][name] = run_section(run, section)
+                result = report["sections"][name] = run_section(run, section, args.section_limit)
             report["wall_s"] = time.perf_counter() - started
             atomic_write_text(args.out, json.dumps(report, indent=1, default=plain))
             last = "" if result["ok"] else ": " + result["error"]
