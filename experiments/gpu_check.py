@@ -17,12 +17,16 @@ recorded in the JSON even when another fails (its traceback in place of its figu
 - logits: our logits next to transformers' Qwen3ForCausalLM holding the same weight tensors;
 - attention: flex and triton against SDPA's dense-mask path at paper scale (B=16, N=257 tree
   tokens after ~4k ragged prefixes), the fused-SDPA backend PyTorch picks for that mask, times;
+  and single rows of a few N, where flex may take inductor's decoding kernel;
+- forward: the target's forward by kernel at a few (B, N), and the profiler's busiest host ops
+  of one: what the host spends per forward when the weights stream in ~3 ms;
 - verify_latency: measured verify forwards, N x B, against the latency model's profile prior and
   its probe-calibrated fit (budget/latency.py);
 - lossless: AR against best-first trees (a fixed budget and BASTION's) with the random drafter:
   exact equality, and `lossless_ties` (bench/divergence.py) where bf16 rounding can flip a near-tie;
 - memory: the measured peak of a decode against models/memory.py's plan;
-- host_step: the host's share of a decode step (experiments/host_step.py) on the big target.
+- host_step: the host's share of a decode step (experiments/host_step.py) on the big target;
+- compiled_forward: decode.compile's forward, seconds to compile a shape and its time per forward.
 
 The JSON is rewritten after every section, so a run cut short keeps what it measured.
 """
@@ -61,7 +65,7 @@ from bastion.engine import generate
 from bastion.files import atomic_write_text
 from bastion.models.attention import Layout, attend, choose_kernel
 from bastion.models.memory import GB, model_args, plan_memory
-from bastion.models.target import Target
+from bastion.models.target import Target, compile_forward
 from bastion.models.timer import Clock
 from bastion.models.transformer import ModelArgs, Transformer
 from bastion.tree.best_first import best_first
@@ -87,6 +91,9 @@ class Scale:
     attention_batch: int
     attention_nodes: int
     attention_prefix: tuple[int, int]  # verified tokens per row, drawn from this range
+    decode_nodes: tuple[int, ...]  # N of single-row verifies, where inductor may pick flex's decoding kernel
+    forward_shapes: tuple[tuple[int, int], ...]  # (B, N) of forwards timed by kernel, eager
+    compiled_shapes: tuple[tuple[int, int], ...]  # (B, N) of forwards compiled (decode.compile)
     grid_batches: tuple[int, ...]
     grid_nodes: tuple[int, ...]
     grid_context: int
@@ -109,6 +116,7 @@ PAPER = Scale(
     target="qwen3_8b", dtype=torch.bfloat16, device="cuda", kernels=("sdpa", "flex", "triton"),
     drafter_layers=5, block_size=16, feature_layers=5, mask_token_id=151669,  # z-lab Qwen3 drafters' mask token
     logit_tokens=32, attention_batch=16, attention_nodes=257, attention_prefix=(3584, 4096),
+    decode_nodes=(1, 4, 16, 33, 64), forward_shapes=((1, 1), (1, 16), (16, 256)), compiled_shapes=((1, 1), (1, 16)),
     grid_batches=(1, 4, 16), grid_nodes=(1, 4, 16, 64, 256, 1024), grid_context=1024, probe_sizes=PROBE_SIZES,
     repeats=5,
     lossless_batch=4, prompt_tokens=(96, 160), lossless_tokens=128, fixed_nodes=64,
@@ -121,6 +129,7 @@ SMOKE = Scale(
     kernels=("sdpa", "flex") + (("triton",) if os.environ.get("TRITON_INTERPRET") == "1" else ()),
     drafter_layers=1, block_size=16, feature_layers=2, mask_token_id=16,
     logit_tokens=16, attention_batch=3, attention_nodes=17, attention_prefix=(8, 40),
+    decode_nodes=(4,), forward_shapes=((1, 1), (2, 8)), compiled_shapes=((1, 4),),
     grid_batches=(1, 2), grid_nodes=(1, 4, 16), grid_context=32, probe_sizes=(1, 2, 4, 8, 16), repeats=2,
     lossless_batch=2, prompt_tokens=(8, 24), lossless_tokens=16, fixed_nodes=8,
     memory_batch=2, memory_context=32, memory_tokens=8, memory_nodes=16,
@@ -283,20 +292,14 @@ def section_attention(run: Run) -> dict:
     """Each kernel on one paper-scale verify: q/k/v drawn in the model's dtype, a random tree per
     row after a ragged verified prefix. Errors against sdpa (the library's dense-mask path) and
     against the same in float32; flex's block mask is built once, as a forward shares it."""
-    s, args = run.scale, model_args(target_fields(run.scale.target))
-    B, N, H, Hkv, D = s.attention_batch, s.attention_nodes, args.n_heads, args.n_kv_heads, args.head_dim
-    g = torch.Generator(s.device).manual_seed(0)
-    prefix = torch.randint(s.attention_prefix[0], s.attention_prefix[1] + 1, (B,), generator=g, device=s.device)
-    S = int(prefix.max()) + N
-    q = torch.randn(B, H, N, D, generator=g, device=s.device).to(s.dtype)
-    k, v = (torch.randn(B, Hkv, S, D, generator=g, device=s.device).to(s.dtype) for _ in range(2))
-    _, _, tree, _ = pack(random_trees(B, N, vocab=1, seed=0), s.device)  # [B, N, N]
-    layout = Layout(prefix, tree, N, S, "sdpa")
+    s = run.scale
+    q, k, v, layout = attention_inputs(s, s.attention_batch, s.attention_nodes, seed=0)
     exact = attend(q.float(), k.float(), v.float(), layout)
     sdpa = attend(q, k, v, layout)
-    out = {"shape": {"B": B, "H": H, "Hkv": Hkv, "D": D, "N": N, "prefix": prefix.tolist(), "dtype": str(s.dtype)},
+    out = {"shape": {"B": q.shape[0], "H": q.shape[1], "Hkv": k.shape[1], "D": q.shape[3], "N": layout.n_new,
+                     "prefix": layout.prefix.tolist(), "dtype": str(s.dtype)},
            "sdpa_backend": torch.nn.attention.SDPBackend(
-               torch._fused_sdp_choice(q, k, v, attn_mask=layout.dense(), enable_gqa=H != Hkv)).name}
+               torch._fused_sdp_choice(q, k, v, attn_mask=layout.dense(), enable_gqa=q.shape[1] != k.shape[1])).name}
     for kernel in s.kernels:
         kernel_layout = replace(layout, kernel=kernel)
         got = attend(q, k, v, kernel_layout)
@@ -304,9 +307,91 @@ def section_attention(run: Run) -> dict:
                        "max_abs_err_vs_float32": float((got.float() - exact).abs().max()),
                        "median_ms": 1e3 * median_seconds(lambda: attend(q, k, v, kernel_layout), s.device, s.repeats)}
     if "flex" in s.kernels:
-        out["flex"]["block_mask_ms"] = 1e3 * median_seconds(lambda: replace(layout, kernel="flex"),  # made with its block mask
-                                                             s.device, s.repeats)
+        flex_layout = lambda: replace(layout, kernel="flex")  # noqa: E731 (made with its block mask)
+        out["flex"]["block_mask_ms"] = 1e3 * median_seconds(flex_layout, s.device, s.repeats)
+    out["batch1"] = []  # one row: where flex may take inductor's decoding kernel (models/attention.py)
+    for N in s.decode_nodes:
+        q, k, v, layout = attention_inputs(s, 1, N, seed=N)
+        sdpa = attend(q, k, v, layout).float()
+        out["batch1"].append({"N": N, **{f"{kernel}_max_abs_err_vs_sdpa": float(
+            (attend(q, k, v, replace(layout, kernel=kernel)).float() - sdpa).abs().max()) for kernel in s.kernels}})
     return out
+
+
+def attention_inputs(s: Scale, B: int, N: int, seed: int):
+    """q/k/v of one verify in the target's shape and dtype, and its Layout (sdpa): a random tree
+    of N tokens per row after a verified prefix drawn from `attention_prefix`."""
+    args = model_args(target_fields(s.target))
+    g = torch.Generator(s.device).manual_seed(seed)
+    prefix = torch.randint(s.attention_prefix[0], s.attention_prefix[1] + 1, (B,), generator=g, device=s.device)
+    S = int(prefix.max()) + N
+    q = torch.randn(B, args.n_heads, N, args.head_dim, generator=g, device=s.device).to(s.dtype)
+    k, v = (torch.randn(B, args.n_kv_heads, S, args.head_dim, generator=g, device=s.device).to(s.dtype)
+            for _ in range(2))
+    _, _, tree, _ = pack(random_trees(B, N, vocab=1, seed=seed), s.device)  # [B, N, N]
+    return q, k, v, Layout(prefix, tree, N, S, "sdpa")
+
+
+def verify_inputs(target: Target, B: int, N: int, context: int):
+    """A cache of B rows holding `context` tokens each (forwards write past them and commit
+    nothing) and a random tree of N tokens per row: forward's arguments."""
+    cache = target.new_cache(B, context + N)
+    cache.lengths = [context] * B
+    tokens, depths, mask, _ = pack(random_trees(B, N, target.args.vocab_size, seed=N), target.device)
+    return tokens, depths, mask, cache
+
+
+@torch.inference_mode()
+def section_forward(run: Run) -> dict:
+    """The target's forward by kernel at a few (B, N) after `grid_context` cached tokens, eager as
+    a decode runs it, and where one eager forward's host time goes (the profiler's busiest host
+    ops): at small N an 8B forward's weights stream in ~3 ms, so launches and guards can rule."""
+    from torch.profiler import ProfilerActivity, profile
+
+    s, target = run.scale, run.target
+    cells = []
+    for B, N in s.forward_shapes:
+        inputs, cell = verify_inputs(target, B, N, s.grid_context), {"B": B, "N": N}
+        for kernel in s.kernels:
+            kernel_target = replace(target, attention=kernel)
+            cell[f"{kernel}_ms"] = 1e3 * median_seconds(lambda: kernel_target.forward(*inputs), s.device, s.repeats)
+        cells.append(cell)
+    B, N = s.forward_shapes[1]
+    inputs = verify_inputs(target, B, N, s.grid_context)
+    target.forward(*inputs)  # compiled for this shape before the profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if s.device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        target.forward(*inputs)
+        if s.device == "cuda":
+            torch.cuda.synchronize()
+    ops = prof.key_averages()
+    busiest = sorted(ops, key=lambda e: e.self_cpu_time_total, reverse=True)[:20]
+    return {"context": s.grid_context, "cells": cells, "profile": {
+        "B": B, "N": N, "kernel": target.attention,
+        "aten_calls": sum(e.count for e in ops if e.key.startswith("aten::")),
+        "self_cpu_ms": sum(e.self_cpu_time_total for e in ops) / 1e3,
+        "self_device_ms": sum(e.self_device_time_total for e in ops) / 1e3,
+        "busiest": [{"op": e.key, "count": e.count, "self_cpu_ms": e.self_cpu_time_total / 1e3,
+                     "self_device_ms": e.self_device_time_total / 1e3} for e in busiest]}}
+
+
+def section_compiled_forward(run: Run) -> dict:
+    """decode.compile's forward (models/target.py compile_forward: inductor, bucketed shapes): the
+    seconds each shape takes to compile, then its time per forward next to the eager one's."""
+    s, target = run.scale, compile_forward(run.target)
+    cells = []
+    for B, N in s.compiled_shapes:
+        inputs = verify_inputs(target, B, N, s.grid_context)
+        started = time.perf_counter()
+        target.forward(*inputs)
+        if s.device == "cuda":
+            torch.cuda.synchronize()
+        compile_s = time.perf_counter() - started
+        eager = verify_inputs(run.target, B, N, s.grid_context)
+        cells.append({"B": B, "N": N, "compile_s": compile_s,
+                      "compiled_ms": 1e3 * median_seconds(lambda: target.forward(*inputs), s.device, s.repeats),
+                      "eager_ms": 1e3 * median_seconds(lambda: run.target.forward(*eager), s.device, s.repeats)})
+    return {"context": s.grid_context, "kernel": target.attention, "cells": cells}
 
 
 def section_verify_latency(run: Run) -> dict:
@@ -324,12 +409,9 @@ def section_verify_latency(run: Run) -> dict:
         del models["calibrated"]
     cells = []
     for B in s.grid_batches:
-        cache = target.new_cache(B, s.grid_context + max(s.grid_nodes))
-        cache.lengths = [s.grid_context] * B  # forwards write past the prefix and commit nothing
         for N in s.grid_nodes:
-            tokens, depths, mask, _ = pack(random_trees(B, N, target.args.vocab_size, seed=N), target.device)
-            seconds = median_seconds(lambda: target.argmax(target.forward(tokens, depths, mask, cache)[0]),
-                                     s.device, s.repeats)
+            inputs = verify_inputs(target, B, N, s.grid_context)
+            seconds = median_seconds(lambda: target.argmax(target.forward(*inputs)[0]), s.device, s.repeats)
             cell = {"B": B, "N": N, "measured_ms": 1e3 * seconds}
             for name, model in models.items():
                 predicted = float(model.predict(np.full(B, N), np.full(B, s.grid_context)))
@@ -384,7 +466,7 @@ def section_memory(run: Run) -> dict:
            "plan_gb": {part: n / GB for part, n in {**plan.resident, **plan.transients}.items()},
            "plan_peak_gb": plan.total / GB, "plan_largest_transient": plan.largest_transient, "measured_peak_gb": None}
     prompts = random_prompts(B, (context, context), target.args.vocab_size, seed=5)
-    run.__dict__.pop("eagle3", None)  # the lossless section's EAGLE-3 drafter (~0.8 GB) is no part of this decode or its plan
+    run.__dict__.pop("eagle3", None)  # the lossless section's EAGLE-3 drafter (~0.8 GB): not in this decode nor its plan
     if s.device == "cuda":
         gc.collect()
         torch.cuda.reset_peak_memory_stats()
@@ -409,8 +491,8 @@ def section_host_step(run: Run) -> dict:
 
 
 SECTIONS = {"target": section_target, "logits": section_logits, "attention": section_attention,
-            "verify_latency": section_verify_latency, "lossless": section_lossless, "memory": section_memory,
-            "host_step": section_host_step}
+            "forward": section_forward, "verify_latency": section_verify_latency, "lossless": section_lossless,
+            "memory": section_memory, "host_step": section_host_step, "compiled_forward": section_compiled_forward}
 
 
 def plain(value):

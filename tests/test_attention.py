@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bastion.models.attention import Layout, attend, choose_kernel
+from bastion.models.attention import Layout, attend, choose_kernel, flex_options
 
 
 def random_tree_masks(B: int, N: int, generator: torch.Generator) -> torch.Tensor:
@@ -81,3 +81,9 @@ def test_kernel_choice():
     assert choose_kernel("auto", "cpu") == "sdpa" and choose_kernel("auto", "cuda:0") == "flex"
     with pytest.raises(ValueError, match="Unknown attention kernel 'xformers'; choose auto, sdpa, flex, triton."):
         choose_kernel("xformers", "cpu")
+
+
+def test_flex_decoding_kernel_only_where_its_row_block_fits():
+    # a single-row tree of 33 tokens under 4 query heads per KV head: 132 rows, past the block inductor can size
+    assert flex_options("cuda", 32 * 4) is None and flex_options("cuda", 33 * 4) == {"BACKEND": "TRITON"}
+    assert flex_options("cpu", 1024) is None  # inductor's CPU template has no decoding kernel

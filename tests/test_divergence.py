@@ -64,6 +64,8 @@ def test_ties_are_what_the_dtypes_rounding_explains():
     assert tie_gap(torch.bfloat16, 20.0) == pytest.approx(4 * 2**-7 * 20)
     assert tie_gap(torch.float32, 0.5) == pytest.approx(4 * 2**-23)
     assert is_tie(None) and is_tie({"gap": 0.1, "tie_gap": 0.3}) and not is_tie({"gap": 2.0, "tie_gap": 0.3})
+    # the target's own forward of AR's context ranks our token first: rounding, however far
+    assert is_tie({"gap": -2.0, "tie_gap": 0.3})
 
 
 def test_summary_tells_exact_from_tie_from_bug():

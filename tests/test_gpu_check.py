@@ -13,7 +13,8 @@ import pytest
 
 from tests.conftest import ROOT
 
-SECTIONS = ("target", "logits", "attention", "verify_latency", "lossless", "memory", "host_step")
+SECTIONS = ("target", "logits", "attention", "forward", "verify_latency", "lossless", "memory", "host_step",
+            "compiled_forward")
 
 
 @pytest.mark.slow
@@ -52,6 +53,14 @@ def test_smoke_run_reports_every_section(tmp_path):
     assert lossless["eagle3+best_first+fixed59"]["exact"]  # float32 on the CPU: no near-ties to forgive
     assert sections["memory"]["plan_peak_gb"] > 0 and sections["memory"]["measured_peak_gb"] is None  # no CUDA allocator
     assert len(sections["host_step"]["cells"]) == 4
+    assert [c["N"] for c in sections["attention"]["batch1"]] == [4]
+    assert all(c[f"{k}_max_abs_err_vs_sdpa"] < 1e-5 for c in sections["attention"]["batch1"] for k in kernels)
+    forward = sections["forward"]
+    assert [(c["B"], c["N"]) for c in forward["cells"]] == [(1, 1), (2, 8)]
+    assert all(c[f"{k}_ms"] > 0 for c in forward["cells"] for k in kernels)
+    assert forward["profile"]["aten_calls"] > 0 and forward["profile"]["busiest"][0]["self_cpu_ms"] > 0
+    (compiled,) = sections["compiled_forward"]["cells"]
+    assert compiled["compile_s"] > 0 and compiled["compiled_ms"] > 0 and compiled["eager_ms"] > 0
 
 
 def test_sections_past_the_deadline_are_skipped_and_reported(tmp_path):
@@ -65,3 +74,13 @@ def test_sections_past_the_deadline_are_skipped_and_reported(tmp_path):
     assert result.returncode == 1, result.stderr[-2000:]
     skipped = {"ok": False, "error": "skipped: past the 1e-09 s deadline", "seconds": 0.0}
     assert json.loads(out.read_text())["sections"] == {"target": skipped, "logits": skipped}
+
+
+def test_a_section_past_its_limit_is_stopped_and_the_next_runs(tmp_path):
+    out = tmp_path / "gpu_check.json"
+    command = [sys.executable, str(ROOT / "experiments" / "gpu_check.py"), str(out), "--smoke", "--only", "target,logits",
+               "--section-limit", "0.001"]
+    result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    sections = json.loads(out.read_text())["sections"]
+    assert result.returncode == 1 and list(sections) == ["target", "logits"], result.stderr[-2000:]
+    assert all(s["error"] == "TimeoutError: past its time limit (--section-limit)" for s in sections.values())

@@ -6,7 +6,7 @@ within that rounding of each other either token is the target's greedy choice, a
 generation meets such a near-tie with no bug at all. So each record whose output differs from
 AR's keeps its first divergence (turn, position in the turn's output, AR's token and its own,
 the logit gap between them under AR's context, and the gap a tie allows), and the summary's
-`lossless_ties` holds where every divergence is a tie: a bug diverges at a clear winner.
+`lossless_ties` holds where every divergence is a tie: a bug diverges at a clear winner, AR's.
 """
 
 from __future__ import annotations
@@ -61,5 +61,7 @@ def gap_after(target, context: list[int], theirs: int | None, ours: int | None) 
 
 
 def is_tie(found: dict | None) -> bool:
-    """An output equal to AR's, or one that first left it at a near-tie."""
-    return found is None or abs(found["gap"]) <= found["tie_gap"]
+    """An output equal to AR's, or one that first left it at a near-tie: a gap within rounding,
+    or a negative one, where the target's forward of AR's context itself ranks our token above
+    AR's (two forwards of the same context disagree: rounding chose, not the method)."""
+    return found is None or found["gap"] <= found["tie_gap"]

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from bastion.models.dynamo import allow_recompiles
 
 KERNELS = ("sdpa", "flex", "triton")
+FLEX_DECODE_ROWS = 128  # query rows (N x query heads per KV head) inductor's flex decoding kernel fits in a block
 
 
 def choose_kernel(name: str, device: torch.device | str) -> str:
@@ -93,7 +94,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Layout | tor
     elif mask.causal_only:  # a prompt's first chunk, whatever the kernel: flash on GPUs, GQA included
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     elif mask.kernel == "flex":
-        out = _flex(q.device.type)(q, k, v, block_mask=mask.block_mask, enable_gqa=gqa)
+        options = flex_options(q.device.type, q.shape[2] * (q.shape[1] // k.shape[1]))
+        out = _flex(q.device.type)(q, k, v, block_mask=mask.block_mask, enable_gqa=gqa, kernel_options=options)
     elif mask.kernel == "triton":
         from bastion.models.triton_attention import tree_attention
 
@@ -102,6 +104,15 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Layout | tor
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense(), enable_gqa=gqa)
     B, H, N, D = out.shape
     return out.transpose(1, 2).reshape(B, N, H * D)
+
+
+def flex_options(device_type: str, rows: int) -> dict | None:
+    """FlexAttention's kernel options for a query of `rows` rows per KV head (N x query heads per
+    KV head). Inductor takes its decoding kernel for short queries at a static batch (B=1 under
+    dynamic shapes) and sizes its row block from the N it first compiles for: past
+    FLEX_DECODE_ROWS rows no block fits and the compile fails (torch 2.11 on an H200: B=1, N=64,
+    4 query heads per KV head). Such queries take the main kernel, as every batch above 1 does."""
+    return {"BACKEND": "TRITON"} if device_type == "cuda" and rows > FLEX_DECODE_ROWS else None
 
 
 @cache
