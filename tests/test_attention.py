@@ -66,15 +66,35 @@ def test_sdpa_equals_the_reference(shape):
     assert torch.allclose(attend(q, k, v, layout), reference(q, k, v, layout), atol=1e-5)
 
 
+LONG = [dict(N=150, prefix=(0, 300, 127)),  # two query blocks; full key blocks; trees across block edges
+        dict(N=5, prefix=(128, 255, 256), tree=False)]  # after a prefix: flex, causal among the new tokens
+
+
 def test_flex_equals_the_reference():
     """FlexAttention compiled as CUDA runs it (inductor's CPU template here), on two shapes in one
     compile (dynamic shapes: every decode step has its own N and S)."""
-    for shape in (dict(), dict(N=5, prefix=(0, 3, 20), Hkv=1), dict(prefix=(0, 0, 0), tree=False)):
+    for shape in (dict(), dict(N=5, prefix=(0, 3, 20), Hkv=1), dict(prefix=(0, 0, 0), tree=False), *LONG):
         q, k, v, layout = case(**shape)
         flex = Layout(layout.prefix, layout.tree, layout.n_new, layout.n_keys, "flex")
         assert torch.allclose(attend(q, k, v, flex), reference(q, k, v, layout), atol=1e-5)
         # a prompt's first chunk takes SDPA's causal path (flash on a GPU): no block mask is built for it
         assert (flex.block_mask is None) == flex.causal_only
+
+
+@pytest.mark.parametrize("shape", LONG)
+def test_flex_block_mask_skips_only_hidden_blocks_and_trusts_only_visible_ones(shape):
+    _, _, _, layout = case(**shape)
+    flex = Layout(layout.prefix, layout.tree, layout.n_new, layout.n_keys, "flex")
+    mask, (B, N, S) = definition(layout)[:, 0], (len(layout.prefix), layout.n_new, layout.n_keys)
+    listed, full = flex.block_mask.to_dense()[:, 0], torch.zeros_like(flex.block_mask.to_dense()[:, 0])
+    for b in range(B):
+        for m in range(-(-N // 128)):
+            full[b, m, flex.block_mask.full_kv_indices[b, 0, m, :flex.block_mask.full_kv_num_blocks[b, 0, m]]] = 1
+            for n in range(-(-S // 128)):
+                block = mask[b, 128 * m : 128 * (m + 1), 128 * n : 128 * (n + 1)]
+                assert not block.any() or listed[b, m, n], (b, m, n)  # a block with a visible key is attended
+                assert not full[b, m, n] or block.all(), (b, m, n)  # a full block skips the mask: all visible
+    assert full.sum() == sum(int(p) // 128 for p in layout.prefix) * -(-N // 128)  # the prefix's whole blocks
 
 
 def test_kernel_choice():

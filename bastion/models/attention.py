@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from bastion.models.dynamo import allow_recompiles
 
 KERNELS = ("sdpa", "flex", "triton")
+FLEX_BLOCK = 128  # FlexAttention's block of queries and of keys (its default)
 FLEX_DECODE_ROWS = 128  # query rows (N x query heads per KV head) inductor's flex decoding kernel fits in a block
 
 
@@ -71,10 +72,15 @@ class Layout:
         return ((offset < 0)[:, None, :] | ((offset < N)[:, None, :] & among))[:, None]
 
     def _flex_block_mask(self):
-        from torch.nn.attention.flex_attention import create_block_mask
+        """FlexAttention's block mask, read off the layout rather than found as create_block_mask
+        finds it, by evaluating the mask at every (query, key) pair (milliseconds of host work
+        every step, more than the attention). Per row, key blocks wholly inside the verified
+        prefix are full; those from the prefix's last block through the new tokens' are partial,
+        decided by the mask function; the rest are empty. Every query block alike."""
+        from torch.nn.attention.flex_attention import BlockMask
 
         # contiguous: a packed tree is a slice [:, :, :N] of wider rows, and compiled flex guards on strides
-        prefix, tree, N = self.prefix, None if self.tree is None else self.tree.contiguous(), self.n_new
+        prefix, tree, N, S = self.prefix, None if self.tree is None else self.tree.contiguous(), self.n_new, self.n_keys
         if tree is None:
             def visible(b, h, i, s):
                 return s <= prefix[b] + i
@@ -82,7 +88,18 @@ class Layout:
             def visible(b, h, i, s):
                 j = s - prefix[b]
                 return (j < 0) | ((j < N) & tree[b, i, j.clamp(0, N - 1)])
-        return create_block_mask(visible, len(prefix), None, N, self.n_keys, device=prefix.device)
+        B, q_blocks, kv_blocks = len(prefix), -(-N // FLEX_BLOCK), -(-S // FLEX_BLOCK)
+        full = (prefix // FLEX_BLOCK).int()  # [B]: blocks 0 .. full - 1 hold verified keys only
+        partial = (prefix + N - 1) // FLEX_BLOCK - full + 1  # [B]: blocks full .. full + partial - 1
+        blocks = torch.arange(kv_blocks, dtype=torch.int32, device=prefix.device)
+
+        def per_query_block(t: torch.Tensor) -> torch.Tensor:  # [B, ...] -> [B, 1, q_blocks, ...]
+            return t[:, None, None].expand(B, 1, q_blocks, *t.shape[1:]).contiguous()
+
+        return BlockMask.from_kv_blocks(
+            per_query_block(partial.int()), per_query_block((full[:, None] + blocks).clamp(max=kv_blocks - 1)),
+            per_query_block(full), per_query_block(blocks.expand(B, kv_blocks)),
+            BLOCK_SIZE=FLEX_BLOCK, mask_mod=visible, seq_lengths=(N, S), compute_q_blocks=False)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Layout | torch.Tensor) -> torch.Tensor:
