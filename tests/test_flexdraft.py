@@ -14,12 +14,13 @@ import torch
 from bastion.budget.fixed import FixedBudget
 from bastion.budget.latency import ForwardCost, LatencyModel
 from bastion.drafters.base import DraftContext
-from bastion.drafters.flexdraft import FlexDraftDrafter, load_flexdraft
+from bastion.drafters.flexdraft import FlexDraftDrafter, group_layout, load_flexdraft
 from bastion.engine import generate
 from bastion.tree.best_first import best_first
 from bastion.tree.chain import chain
 from bastion.tree.draft_tree import DraftTree, pack
 from tests.helpers import ar_outputs, assert_same_tokens
+from tests.test_attention import random_tree_masks
 from tests.test_lossless import random_prompts, with_eos_mid_output
 
 
@@ -277,3 +278,25 @@ def test_chain_aal_walks_the_steps_sequential_chain_decoding_takes(smollm2_packe
             assert aal[name] == round(sum(s.produced[0] for s in decoding.steps) / len(decoding.steps), 4)
             steps[calibration] = steps.get(calibration, 0) + len(decoding.steps)
     assert min(steps.values()) < sum(len(a) - 1 for a in answers)  # drafts are accepted: the walk is not trivial
+
+
+def test_group_layout_is_its_definition():
+    """Parallel mode's mask, slot by slot: a group sees its kept node's path and itself; a row's
+    groups past its own keep see only themselves, at depth 0."""
+    g, G = torch.Generator().manual_seed(0), 3
+    tree_mask = random_tree_masks(3, 6, g)
+    depths = tree_mask.sum(-1) - 1
+    keep = [[0, 2, 5], [0], [0, 4]]
+    full, group_depth = group_layout(tree_mask, depths, keep, G)
+    K, M = 3, 6
+    expected = torch.zeros(3, M + K * G, M + K * G, dtype=torch.bool)
+    expected[:, :M, :M] = tree_mask
+    depth = torch.zeros(3, K, dtype=torch.long)
+    for b, nodes in enumerate(keep):
+        for k in range(K):
+            s = M + k * G
+            expected[b, s : s + G, s : s + G] = True
+            if k < len(nodes):
+                expected[b, s : s + G, :M] = tree_mask[b, nodes[k]]
+                depth[b, k] = depths[b, nodes[k]] + 1
+    assert torch.equal(full, expected) and torch.equal(group_depth, depth)
