@@ -15,20 +15,28 @@ from bastion.compose import build
 from bastion.drafters.ngram import NgramDrafter
 from bastion.engine import _chunk_ends, generate
 from bastion.models.packed_linear import prepack_linears
+from bastion.models.target import load_target
 from bastion.recorder import FeatureRecorder
 from bastion.sampling import Sampling
 from bastion.tree.best_first import best_first
 from bastion.tree.chain import chain
-from tests.conftest import ROOT
-from tests.helpers import OracleDrafter, ar_outputs, assert_same_tokens, build_choice, configured
+from tests.conftest import ROOT, target_config
+from tests.helpers import (
+    OracleDrafter,
+    ar_outputs,
+    assert_same_tokens,
+    build_choice,
+    configured,
+)
 
 POLICIES = {name: build_choice("tree", name) for name in configured("tree")}  # every conf/tree/*.yaml
 BUDGETS = (1, 2, 8, 64)
+VOCAB = 2048  # the sampled tests' tiny models
 
 
-def random_prompts(n=8, seed=0):
+def random_prompts(n=8, seed=0, vocab=49152):
     rng = random.Random(seed)
-    return [[rng.randrange(3, 49152) for _ in range(rng.randrange(3, 40))] for _ in range(n)]
+    return [[rng.randrange(3, vocab) for _ in range(rng.randrange(3, 40))] for _ in range(n)]
 
 
 def with_eos_mid_output(target, prompts, max_new):
@@ -131,7 +139,7 @@ def test_smollm2_lossless(smollm2_packed, smol_case):
     prompts, expected, max_new = smol_case
     oracle = OracleDrafter(dict(zip(map(tuple, prompts), expected)), vocab=49152, block_size=8, top_k=4)
     for policy in POLICIES:
-        for budget in BUDGETS:
+        for budget in (2, 64):  # the smallest tree with a branch point and a large one; the tiny models run all BUDGETS
             check(smollm2_packed, prompts, expected, oracle, policy, budget, max_new, "smollm2 oracle")
     check(smollm2_packed, prompts, expected, NgramDrafter(), "best_first", 8, max_new, "smollm2 ngram")
 
@@ -145,7 +153,7 @@ def test_smollm2_lossless_with_every_configured_drafter(smollm2_packed, smol_cas
 
     prompts, expected, max_new = smol_case
     drafter = prepack_linears(build(composed("target=smollm2_135m", f"drafter={kind}").drafter, target=smollm2_packed))
-    for policy, budget in [("chain", 8), ("best_first", 1), ("best_first", 8), ("best_first", 64)]:
+    for policy, budget in [("chain", 8), ("best_first", 1), ("best_first", 64)]:
         check(smollm2_packed, prompts, expected, drafter, policy, budget, max_new, f"smollm2 {kind}")
 
 
@@ -241,20 +249,22 @@ def test_stop_strings_end_every_method_at_the_same_token(tiny_llama):
 
 
 @pytest.mark.parametrize("name", ["tiny_qwen3", "tiny_llama"])
-def test_sampled_outputs_equal_ar_for_the_same_seed(name, request, tmp_path):
+def test_sampled_outputs_equal_ar_for_the_same_seed(name, tmp_path):
     """Temperature > 0, ranked children: every policy and budget, the BASTION budget sizing
     trees by this machine's real timings included, gives AR's sampled output token for token,
-    and so does a second run with the same seed (keyed Gumbel-max sampling, sampling.py)."""
+    and so does a second run with the same seed (keyed Gumbel-max sampling, sampling.py). A
+    vocabulary of 2048: the tiny presets' 49152 spent the test hashing Gumbel noise."""
     from bastion.budget.controller import BastionBudget
     from bastion.budget.hardware import HardwareProfile
 
-    target = request.getfixturevalue(name)
-    prompts = random_prompts(6, seed=4)
+    cfg = target_config(name, dtype="float64", tokenizer=None)
+    target = load_target(**{**cfg, "hf_config": {**cfg["hf_config"], "vocab_size": VOCAB}})
+    prompts = random_prompts(6, seed=4, vocab=VOCAB)
     for sampling in (Sampling(1.0), Sampling(0.8, top_k=40, top_p=0.9)):
         ar = [g.tokens for g in generate(target, prompts, max_new_tokens=20, sampling=sampling, seed=7).generations]
         assert ar != ar_outputs(target, prompts, 20)
         assert ar != [g.tokens for g in generate(target, prompts, max_new_tokens=20, sampling=sampling, seed=8).generations]
-        oracle = OracleDrafter(dict(zip(map(tuple, prompts), ar)), vocab=49152, top_k=4)
+        oracle = OracleDrafter(dict(zip(map(tuple, prompts), ar)), vocab=VOCAB, top_k=4)
         methods = [(policy, FixedBudget(n)) for policy in POLICIES for n in (2, 8)]
         for _ in range(2):
             bastion = BastionBudget(max_nodes=16, probe=False, scale_acceptance=False)

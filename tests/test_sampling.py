@@ -34,7 +34,7 @@ from tests.conftest import target_config
 from tests.test_dflash import random_drafter
 
 V, PROMPT, N_TOKENS = 16, [3, 5, 7, 9, 11], 3
-ROWS, SEEDS = 8000, 4  # 32,000 samples per method
+ROWS, SEEDS = 8000, 3  # 24,000 samples per method
 CATEGORIES = 12  # the 11 likeliest sequences and "any other": few degrees of freedom, high power
 
 
