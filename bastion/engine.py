@@ -262,7 +262,7 @@ def _draft_trees(m: _Method, proposal, contexts: list[int]):
     if m.sampling.keyed:
         return trees, None
     draft_probs = proposal.distributions(m.sampling, m.target.args.vocab_size)
-    return [sample_children(tree, draft_probs[b], m.generator) for b, tree in enumerate(trees)], draft_probs
+    return sample_children(trees, draft_probs, m.generator), draft_probs
 
 
 def _scores(m: _Method, batch: _Batch, hidden: torch.Tensor, depths: torch.Tensor, depth: int) -> torch.Tensor:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -59,53 +60,82 @@ def verify_sampled(
     min(1, p(x)/q(x)); on rejection p <- norm(max(p - q, 0)) and q loses x. When every child
     is rejected the bonus token is drawn from what is left of p, so the output is distributed
     exactly as AR sampling from p. `draft_probs` is None only for root-only trees (AR steps).
-    """
+
+    Every row descends at once on the device, a level and a child slot at a time ([B, V] ops,
+    depth x most children rounds), and the paths come back in one transfer."""
     target_probs = sampling.probs(logits)  # [B, M, V]
+    B, device = len(trees), target_probs.device
+    most = max((len(kids) for tree in trees for kids in tree.children), default=0)
+    depth = max(max(tree.depths) for tree in trees) if most else 0
+    width = max(tree.n_nodes for tree in trees) + 1
+    table = [[[*kids, *[-1] * (most - len(kids))] for kids in tree.children] for tree in trees]
+    children = torch.tensor([t + [[-1] * most] * (width - len(t)) for t in table], device=device).view(B, width, most)
+    tokens = torch.tensor([list(tree.tokens) + [0] * (width - len(tree.tokens)) for tree in trees], device=device)
+    rows = torch.arange(B, device=device)
+    node, live = torch.zeros(B, dtype=torch.long, device=device), torch.ones(B, dtype=torch.bool, device=device)
+    p, bonus, steps = target_probs[:, 0], torch.zeros(B, dtype=torch.long, device=device), []
+    for level in range(depth + 1):
+        chosen = torch.full((B,), -1, device=device)
+        if level < depth:
+            q, kids = draft_probs[:, level], children[rows, node]  # [B, V], [B, most]
+            for j in range(most):
+                c = kids[:, j]
+                x = tokens[rows, c.clamp_min(0)]
+                u = torch.rand(B, generator=generator, device=device, dtype=p.dtype)
+                trying = live & (c >= 0) & (chosen < 0)
+                accept = trying & (u * q[rows, x] < p[rows, x])
+                chosen = torch.where(accept, c, chosen)
+                reject = (trying & ~accept)[:, None]
+                residual = (p - q).clamp_min(0.0)
+                total = residual.sum(-1, keepdim=True)
+                p = torch.where(reject & (total > 0), residual / total, p)  # total = 0 only when p == q up to rounding
+                q = torch.where(reject, q.scatter(1, x[:, None], 0.0), q)
+                q = torch.where(reject, q / q.sum(-1, keepdim=True), q)
+        drawn = torch.multinomial(p, 1, generator=generator)[:, 0]
+        bonus = torch.where(live & (chosen < 0), drawn, bonus)
+        live = live & (chosen >= 0)
+        steps.append(torch.where(live, chosen, -1))
+        node = torch.where(live, chosen, node)
+        p = torch.where(live[:, None], target_probs[rows, node], p)
     verdicts = []
-    for b, tree in enumerate(trees):
-        node, path, new = 0, [0], []
-        while True:
-            p = target_probs[b, node]
-            child = None
-            if tree.children[node]:
-                q = draft_probs[b, tree.depths[node]].clone()
-                for c in tree.children[node]:
-                    x = tree.tokens[c]
-                    u = torch.rand((), generator=generator, device=p.device).item()
-                    if u * q[x].item() < p[x].item():
-                        child = c
-                        break
-                    residual = (p - q).clamp_min(0.0)
-                    total = residual.sum()
-                    p = residual / total if total > 0 else p  # total = 0 only when p == q up to rounding
-                    q[x] = 0.0
-                    q = q / q.sum()
-            if child is None:
-                new.append(torch.multinomial(p, 1, generator=generator).item())
-                break
-            new.append(tree.tokens[child])
-            path.append(child)
-            node = child
-        verdicts.append(Verdict(path, new))
+    for tree, (*path, last) in zip(trees, torch.stack([*steps, bonus], 1).tolist()):  # [B, depth + 2]
+        path = [0, *(n for n in path if n >= 0)]
+        verdicts.append(Verdict(path, [tree.tokens[i] for i in path[1:]] + [last]))
     return verdicts
 
 
-def sample_children(tree: DraftTree, draft_probs: torch.Tensor, generator: torch.Generator) -> DraftTree:
-    """The tree's shape with each node's children drawn from q without replacement.
+def sample_children(trees: list[DraftTree], draft_probs: torch.Tensor, generator: torch.Generator) -> list[DraftTree]:
+    """The trees' shapes with each node's children drawn from q without replacement, for every
+    node of every row at once: the k largest of log q + Gumbel noise are such a draw of k.
 
-    draft_probs: [K, V], row d being q for depth d + 1. A node keeps at most as many children
+    draft_probs: [B, K, V], row d being q for depth d + 1. A node keeps at most as many children
     as q has tokens of nonzero probability; dropped children take their subtrees with them.
     """
-    tokens, parents, logq = [tree.tokens[0]], [-1], [0.0]
-    renumbered = {0: 0}
-    for node, kids in enumerate(tree.children):
-        if node not in renumbered or not kids:
-            continue
-        q = draft_probs[tree.depths[node]]
-        draws = torch.multinomial(q, min(len(kids), int((q > 0).sum())), replacement=False, generator=generator)
-        for kid, (x, qx) in zip(kids, zip(draws.tolist(), q[draws].log().tolist())):
-            renumbered[kid] = len(tokens)
-            tokens.append(x)
-            parents.append(renumbered[node])
-            logq.append(logq[renumbered[node]] + qx)
-    return DraftTree(tuple(tokens), tuple(parents), tuple(logq))
+    parents = [(b, node, tree.depths[node]) for b, tree in enumerate(trees) for node, kids in enumerate(tree.children) if kids]
+    if not parents:
+        return trees
+    most = max(len(kids) for tree in trees for kids in tree.children)
+    b, _, depth = (torch.tensor(column, device=draft_probs.device) for column in zip(*parents))
+    q = draft_probs[b, depth]  # [P, V]
+    u = torch.rand(q.shape, generator=generator, device=q.device, dtype=q.dtype)
+    draws = (q.log() - (-u.log()).log()).topk(most, dim=-1).indices  # [P, most]
+    logq = q.gather(1, draws).log()  # -inf: past q's nonzero tokens
+    drawn = iter(torch.stack([draws.to(logq.dtype), logq], 1).tolist())  # one transfer: per parent, its draws and log q
+    sampled = []
+    for tree in trees:
+        tokens, tree_parents, tree_logq, renumbered = [tree.tokens[0]], [-1], [0.0], {0: 0}
+        for node, kids in enumerate(tree.children):
+            if not kids:
+                continue
+            xs, qs = next(drawn)
+            if node not in renumbered:
+                continue
+            for kid, x, qx in zip(kids, xs, qs):
+                if qx == -math.inf:
+                    break
+                renumbered[kid] = len(tokens)
+                tokens.append(int(x))
+                tree_parents.append(renumbered[node])
+                tree_logq.append(tree_logq[renumbered[node]] + qx)
+        sampled.append(DraftTree(tuple(tokens), tuple(tree_parents), tuple(tree_logq)))
+    return sampled
