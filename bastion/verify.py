@@ -10,6 +10,8 @@ import torch
 from bastion.sampling import Sampling
 from bastion.tree.draft_tree import DraftTree, doubling_rounds
 
+SAMPLED_PARENTS = 128  # nodes whose children are drawn together: [128, V] noise, not [B x N, V] (GBs at paper scale)
+
 
 @dataclass
 class Verdict:
@@ -105,8 +107,9 @@ def verify_sampled(
 
 
 def sample_children(trees: list[DraftTree], draft_probs: torch.Tensor, generator: torch.Generator) -> list[DraftTree]:
-    """The trees' shapes with each node's children drawn from q without replacement, for every
-    node of every row at once: the k largest of log q + Gumbel noise are such a draw of k.
+    """The trees' shapes with each node's children drawn from q without replacement, the nodes
+    of every row together (SAMPLED_PARENTS at a time): the k largest of log q + Gumbel noise
+    are such a draw of k.
 
     draft_probs: [B, K, V], row d being q for depth d + 1. A node keeps at most as many children
     as q has tokens of nonzero probability; dropped children take their subtrees with them.
@@ -116,11 +119,14 @@ def sample_children(trees: list[DraftTree], draft_probs: torch.Tensor, generator
         return trees
     most = max(len(kids) for tree in trees for kids in tree.children)
     b, _, depth = (torch.tensor(column, device=draft_probs.device) for column in zip(*parents))
-    q = draft_probs[b, depth]  # [P, V]
-    u = torch.rand(q.shape, generator=generator, device=q.device, dtype=q.dtype)
-    draws = (q.log() - (-u.log()).log()).topk(most, dim=-1).indices  # [P, most]
-    logq = q.gather(1, draws).log()  # -inf: past q's nonzero tokens
-    drawn = iter(torch.stack([draws.to(logq.dtype), logq], 1).tolist())  # one transfer: per parent, its draws and log q
+    chunks = []
+    for rows, depths in zip(b.split(SAMPLED_PARENTS), depth.split(SAMPLED_PARENTS)):
+        q = draft_probs[rows, depths]  # [P, V]
+        u = torch.rand(q.shape, generator=generator, device=q.device, dtype=q.dtype)
+        draws = (q.log() - (-u.log()).log()).topk(most, dim=-1).indices  # [P, most]
+        logq = q.gather(1, draws).log()  # -inf: past q's nonzero tokens
+        chunks.append(torch.stack([draws.to(logq.dtype), logq], 1))
+    drawn = iter(torch.cat(chunks).tolist())  # one transfer: per parent, its draws and their log q
     sampled = []
     for tree in trees:
         tokens, tree_parents, tree_logq, renumbered = [tree.tokens[0]], [-1], [0.0], {0: 0}
