@@ -268,3 +268,24 @@ def test_bad_sampling_settings_are_refused():
         Sampling(1.0, top_p=0.0)
     with pytest.raises(ValueError, match="tree_mode must be one of sampled, ranked"):
         Sampling(1.0, tree_mode="coupled")
+
+
+def lowbias32(x: int) -> int:
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+def test_keyed_noise_is_the_documented_hash(monkeypatch):
+    """gumbel's int32 words give lowbias32's unsigned bits (a Python-int reference here), for
+    seeds, keys and positions past 32 bits and words past 2^31, a CPU's chunks included."""
+    seed, key, position, vocab = 2**40 + 7, 2**33 + 5, 2**31 + 3, 300
+    seed_word = lowbias32(lowbias32(seed & 0xFFFFFFFF) ^ (seed >> 32) & 0xFFFFFFFF)
+    cell = lowbias32(lowbias32(lowbias32(key & 0xFFFFFFFF) ^ seed_word) ^ lowbias32(position & 0xFFFFFFFF))
+    salt = lowbias32(cell ^ 0x5BD1E995)
+    expected = [-math.log(-math.log((lowbias32(lowbias32(cell ^ t) ^ salt) + 0.5) / 2**32)) for t in range(vocab)]
+    monkeypatch.setattr(bastion.sampling, "NOISE_CELLS", 1)  # three cells, hashed one at a time
+    got = bastion.sampling.gumbel(seed, torch.tensor([key]), torch.tensor([[position] * 3]), vocab)
+    assert all(got[0, m].tolist() == pytest.approx(expected, rel=1e-12) for m in range(3))
