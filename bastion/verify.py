@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from bastion.models.transfer import to_device
 from bastion.sampling import Sampling
 from bastion.tree.draft_tree import DraftTree, doubling_rounds
 
@@ -71,8 +72,8 @@ def verify_sampled(
     depth = max(max(tree.depths) for tree in trees) if most else 0
     width = max(tree.n_nodes for tree in trees) + 1
     table = [[[*kids, *[-1] * (most - len(kids))] for kids in tree.children] for tree in trees]
-    children = torch.tensor([t + [[-1] * most] * (width - len(t)) for t in table], device=device).view(B, width, most)
-    tokens = torch.tensor([list(tree.tokens) + [0] * (width - len(tree.tokens)) for tree in trees], device=device)
+    children = to_device([t + [[-1] * most] * (width - len(t)) for t in table], device, torch.long).view(B, width, most)
+    tokens = to_device([list(tree.tokens) + [0] * (width - len(tree.tokens)) for tree in trees], device)
     rows = torch.arange(B, device=device)
     node, live = torch.zeros(B, dtype=torch.long, device=device), torch.ones(B, dtype=torch.bool, device=device)
     p, bonus, steps = target_probs[:, 0], torch.zeros(B, dtype=torch.long, device=device), []
@@ -118,7 +119,7 @@ def sample_children(trees: list[DraftTree], draft_probs: torch.Tensor, generator
     if not parents:
         return trees
     most = max(len(kids) for tree in trees for kids in tree.children)
-    b, _, depth = (torch.tensor(column, device=draft_probs.device) for column in zip(*parents))
+    b, _, depth = (to_device(column, draft_probs.device) for column in zip(*parents))
     chunks = []
     for rows, depths in zip(b.split(SAMPLED_PARENTS), depth.split(SAMPLED_PARENTS)):
         q = draft_probs[rows, depths]  # [P, V]

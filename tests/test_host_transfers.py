@@ -13,6 +13,7 @@ from torch.overrides import TorchFunctionMode
 from bastion.budget.fixed import FixedBudget
 from bastion.drafters.dflash import DFlashDrafter, new_dflash_config
 from bastion.engine import _step, generate
+from bastion.sampling import Sampling
 from bastion.tree.best_first import best_first
 from bastion.tree.chain import chain
 from bastion.tree.static import static
@@ -44,9 +45,9 @@ class DeviceReads(TorchFunctionMode):
         return out
 
 
-@pytest.mark.parametrize("policy", [best_first, chain, partial(static, shape="eagle1_25")], ids=["best_first", "chain", "static"])
-def test_a_greedy_step_reads_the_device_at_most_twice(tiny_qwen3, policy, monkeypatch):
-    drafter = DFlashDrafter(new_dflash_config(tiny_qwen3, 1, 4, [0, 1], 16), tiny_qwen3).to(tiny_qwen3.dtype).eval()
+def step_reads(target, monkeypatch, **decode) -> tuple[list[int], list[int]]:
+    """Per decode step of a random DFlash drafter's decode: the device reads and the blocking sends."""
+    drafter = DFlashDrafter(new_dflash_config(target, 1, 4, [0, 1], 16), target).to(target.dtype).eval()
     counts, sends = [], []
 
     def counted(m, batch):
@@ -58,6 +59,20 @@ def test_a_greedy_step_reads_the_device_at_most_twice(tiny_qwen3, policy, monkey
 
     monkeypatch.setattr("bastion.engine._step", counted)
     prompts = [[5 + i, 17, 300 + 7 * i, 41] for i in range(3)]
-    generate(tiny_qwen3, prompts, drafter=drafter, policy=policy, budget=FixedBudget(16), max_new_tokens=12)
+    generate(target, prompts, drafter=drafter, budget=FixedBudget(16), max_new_tokens=12, **decode)
+    return counts, sends
+
+
+@pytest.mark.parametrize("policy", [best_first, chain, partial(static, shape="eagle1_25")], ids=["best_first", "chain", "static"])
+def test_a_greedy_step_reads_the_device_at_most_twice(tiny_qwen3, policy, monkeypatch):
+    counts, sends = step_reads(tiny_qwen3, monkeypatch, policy=policy)
     assert counts and max(counts) <= 2, counts
+    assert not any(sends), sends
+
+
+def test_a_sampled_step_reads_the_device_at_most_three_times(tiny_qwen3, monkeypatch):
+    """T > 0 with sampled children: the drafts, the children drawn for every row's trees at once,
+    and the paths of a rejection sampling that runs on the device."""
+    counts, sends = step_reads(tiny_qwen3, monkeypatch, policy=best_first, sampling=Sampling(1.0, tree_mode="sampled"))
+    assert counts and max(counts) <= 3, counts
     assert not any(sends), sends

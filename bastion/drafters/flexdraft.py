@@ -285,8 +285,8 @@ def group_layout(tree_mask: torch.Tensor, depths: torch.Tensor, keep: list[list[
     per-node tensor op (a row of 16 groups at B=16 was 256 slice writes a step)."""
     B, M, _ = tree_mask.shape
     K, device = max(1, max(map(len, keep))), tree_mask.device
-    nodes = torch.tensor([k + [0] * (K - len(k)) for k in keep], device=device)  # [B, K]
-    real = torch.tensor([[g < len(k) for g in range(K)] for k in keep], device=device)  # [B, K]
+    nodes = to_device([k + [0] * (K - len(k)) for k in keep], device)  # [B, K]
+    real = to_device([[g < len(k) for g in range(K)] for k in keep], device)  # [B, K]
     full = torch.zeros(B, M + K * G, M + K * G, dtype=torch.bool, device=device)
     full[:, :M, :M] = tree_mask
     sees = tree_mask.gather(1, nodes[:, :, None].expand(B, K, M)) & real[:, :, None]  # [B, K, M]
