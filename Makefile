@@ -20,7 +20,7 @@ demo: install
 	$(PY) run.py experiment=demo
 
 test: install
-	$(PY) -m pytest -q -n 2
+	$(PY) -m pytest -q -n 2 --dist worksteal
 
 test-fast: install
-	$(PY) -m pytest -q -n 2 -m "not slow"
+	$(PY) -m pytest -q -n 2 --dist worksteal -m "not slow"
