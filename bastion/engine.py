@@ -289,7 +289,7 @@ def _verify(m: _Method, scores: torch.Tensor, trees: list[DraftTree], tokens: to
     with, or by rejection sampling of sampled children."""
     if m.sampling.keyed:  # greedy included
         return verify_greedy(scores, trees, tokens, depths, parents, depth)
-    return verify_sampled(scores, trees, m.sampling, m.generator, draft_probs)
+    return verify_sampled(scores, trees, m.sampling, m.generator, draft_probs, tokens, parents, depth)
 
 
 def _first_tokens(logits: torch.Tensor, sampling: Sampling, seed: int, keys: torch.Tensor, generator) -> list[int]:

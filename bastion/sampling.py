@@ -121,8 +121,7 @@ def gumbel(seed: int, keys: torch.Tensor, positions: torch.Tensor, vocab: int) -
     salt = _hash32(cell ^ _word(0x5BD1E995))  # a second, independent word per cell
     token = torch.arange(vocab, device=positions.device, dtype=torch.int32)
     step = cell.shape[1] if cell.device.type != "cpu" else max(1, NOISE_CELLS // max(1, cell.shape[0] * vocab))
-    return torch.cat([_noise(cell[:, m : m + step], salt[:, m : m + step], token) for m in range(0, cell.shape[1], step)]
-                     or [torch.empty(cell.shape[0], 0, vocab, dtype=torch.float64, device=cell.device)], 1)
+    return torch.cat([_noise(cell[:, m : m + step], salt[:, m : m + step], token) for m in range(0, cell.shape[1], step)], 1)
 
 
 def _noise(cell: torch.Tensor, salt: torch.Tensor, token: torch.Tensor) -> torch.Tensor:

@@ -53,6 +53,9 @@ def verify_sampled(
     sampling: Sampling,
     generator: torch.Generator,
     draft_probs: torch.Tensor | None,
+    tokens: torch.Tensor,
+    parents: torch.Tensor,
+    depth: int,
 ) -> list[Verdict]:
     """Temperature > 0 with sampled children: multi-draft recursive rejection sampling down
     the tree (SpecInfer, Sequoia). Ranked children need none of this: they are verified
@@ -62,27 +65,25 @@ def verify_sampled(
     tried in order against the target's distribution p there: child x is accepted w.p.
     min(1, p(x)/q(x)); on rejection p <- norm(max(p - q, 0)) and q loses x. When every child
     is rejected the bonus token is drawn from what is left of p, so the output is distributed
-    exactly as AR sampling from p. `draft_probs` is None only for root-only trees (AR steps).
+    exactly as AR sampling from p. `draft_probs` is None only for root-only trees (AR steps);
+    tokens, parents: [B, M], pack's (padding slots are roots); no node is deeper than `depth`.
 
     Every row descends at once on the device, a level and a child slot at a time ([B, V] ops,
     depth x most children rounds), and the paths come back in one transfer."""
     target_probs = sampling.probs(logits)  # [B, M, V]
     B, device = len(trees), target_probs.device
     most = max((len(kids) for tree in trees for kids in tree.children), default=0)
-    depth = max(max(tree.depths) for tree in trees) if most else 0
-    width = max(tree.n_nodes for tree in trees) + 1
-    table = [[[*kids, *[-1] * (most - len(kids))] for kids in tree.children] for tree in trees]
-    children = to_device([t + [[-1] * most] * (width - len(t)) for t in table], device, torch.long).view(B, width, most)
-    tokens = to_device([list(tree.tokens) + [0] * (width - len(tree.tokens)) for tree in trees], device)
     rows = torch.arange(B, device=device)
     node, live = torch.zeros(B, dtype=torch.long, device=device), torch.ones(B, dtype=torch.bool, device=device)
     p, bonus, steps = target_probs[:, 0], torch.zeros(B, dtype=torch.long, device=device), []
     for level in range(depth + 1):
         chosen = torch.full((B,), -1, device=device)
-        if level < depth:
-            q, kids = draft_probs[:, level], children[rows, node]  # [B, V], [B, most]
+        if most and level < depth:
+            q, kids = draft_probs[:, level], parents == node[:, None]  # [B, V], [B, M]: the node's children
+            rank = kids.cumsum(1) - 1  # [B, M]: a child's place among its siblings
             for j in range(most):
-                c = kids[:, j]
+                jth = kids & (rank == j)
+                c = torch.where(jth.any(1), jth.int().argmax(1), -1)  # [B]: the node's j-th child, or none
                 x = tokens[rows, c.clamp_min(0)]
                 u = torch.rand(B, generator=generator, device=device, dtype=p.dtype)
                 trying = live & (c >= 0) & (chosen < 0)
@@ -119,7 +120,7 @@ def sample_children(trees: list[DraftTree], draft_probs: torch.Tensor, generator
     if not parents:
         return trees
     most = max(len(kids) for tree in trees for kids in tree.children)
-    b, _, depth = (to_device(column, draft_probs.device) for column in zip(*parents))
+    b, depth = to_device([(b, depth) for b, _, depth in parents], draft_probs.device).unbind(1)
     chunks = []
     for rows, depths in zip(b.split(SAMPLED_PARENTS), depth.split(SAMPLED_PARENTS)):
         q = draft_probs[rows, depths]  # [P, V]
