@@ -28,6 +28,8 @@ import torch
 from bastion.tree.draft_tree import DraftTree
 from bastion.tree.proposal import BlockProposal, TreeProposal
 
+LEAST = np.float32(-np.finfo(np.float32).max)  # below it, only -inf: no candidate
+
 
 def best_first(proposal: BlockProposal | TreeProposal, max_nodes: int) -> list[DraftTree]:
     if isinstance(proposal, TreeProposal):
@@ -47,9 +49,8 @@ def best_first(proposal: BlockProposal | TreeProposal, max_nodes: int) -> list[D
     for depth in range(K):
         slot, rank = _contenders(beam.shape[1], k, max_nodes)  # [C] each
         children = beam[:, slot] + logprobs[:, depth, rank]  # [B, C]
-        if best.shape[1] == max_nodes:
-            children[children < best.min(1, keepdims=True)] = -np.inf
-        width = min(max_nodes, int(np.isfinite(children).sum(1).max()))
+        floor = best.min(1, keepdims=True) if best.shape[1] == max_nodes else LEAST
+        width = min(max_nodes, int((children >= np.maximum(floor, LEAST)).sum(1).max()))  # children that can still make it
         if width == 0:
             break
         top = ranked(children, width)  # [B, width]: the beam of this depth, best first
@@ -78,7 +79,7 @@ def best_nodes(scores: np.ndarray, parents: np.ndarray, tokens: np.ndarray, max_
     trees = []
     chosen = zip(tokens[rows, order].tolist(), node_parents.tolist(), logq.tolist(), np.isfinite(logq).sum(1).tolist())
     for row_tokens, row_parents, row_logq, n in chosen:  # candidates of -inf log-probability are no candidates (they sort last)
-        trees.append(DraftTree(tuple(row_tokens[:n]), tuple(row_parents[:n]), tuple(row_logq[:n])))
+        trees.append(DraftTree(tuple(row_tokens[:n]), tuple(row_parents[:n]), tuple(row_logq[:n]), checked=False))
     return trees
 
 

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import operator
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass
 from functools import cache, cached_property
 
 import numpy as np
@@ -23,16 +24,17 @@ class DraftTree:
     tokens: tuple[int, ...]  # [1+N]; tokens[0] is the root token
     parents: tuple[int, ...]  # [1+N]; parents[0] = -1 and parents[i] < i
     logq: tuple[float, ...]  # [1+N]; draft log-probability of the path root -> i (root: 0)
+    checked: InitVar[bool] = True  # False: the caller built it parents first (a policy's picks, a prefix), so the O(N) check is skipped
 
     @staticmethod
     def root_only(token: int) -> DraftTree:
         return DraftTree((token,), (-1,), (0.0,))
 
-    def __post_init__(self):
+    def __post_init__(self, checked: bool):
         if not (len(self.tokens) == len(self.parents) == len(self.logq)) or self.parents[0] != -1:
             raise ValueError("DraftTree needs equal-length tokens/parents/logq with the root at index 0")
         below = self.parents[1:]
-        if below and (min(below) < 0 or not all(map(operator.lt, below, range(1, len(self.parents))))):  # C loops: trees of hundreds of nodes are built every step
+        if checked and below and (min(below) < 0 or not all(map(operator.lt, below, range(1, len(self.parents))))):  # C loops: trees of hundreds of nodes are built every step
             raise ValueError("DraftTree parents must precede their children")
 
     @property
@@ -64,7 +66,7 @@ class DraftTree:
         if n_nodes >= self.n_nodes:
             return self
         k = n_nodes + 1
-        return DraftTree(self.tokens[:k], self.parents[:k], self.logq[:k])
+        return DraftTree(self.tokens[:k], self.parents[:k], self.logq[:k], checked=False)
 
     def path(self, node: int) -> list[int]:
         """Indices from the root to `node`, both included."""
@@ -85,7 +87,7 @@ BITS = 64  # ancestor bits per int64 word
 @cache
 def _bit_table(device) -> torch.Tensor:
     """[256] int64: the bits of each byte value as 8 bool bytes, lowest first (one int64 per
-    byte value, so unpacking is one `take` of 8-byte words, not a copy of 8-byte rows)."""
+    byte value, so unpacking is one `index_select` of 8-byte words, not a copy of 8-byte rows)."""
     return (torch.arange(256, device=device)[:, None] >> torch.arange(8, device=device) & 1).bool().view(torch.int64)[:, 0]
 
 
@@ -96,22 +98,32 @@ def ancestor_masks(parents: torch.Tensor, depth: int | None = None) -> tuple[tor
     doubling_rounds(depth) rounds of whole-tensor ops build trees no deeper than `depth` (any
     tree: M - 1), with no per-node work and no look at the values on the host. The rounds
     merge ancestor sets packed 64 to an int64 word, 64x less data than bool rows (6x faster at
-    M=257 on a CPU), unpacked a byte at a time through a table (little-endian bytes, as on
+    M=257 on a CPU), a node's words fetched as one row of the batch's [B x M, W] table
+    (`index_select`), and unpacked a byte at a time through a table (little-endian bytes, as on
     every CPU and GPU torch runs on)."""
     B, M = parents.shape
     device = parents.device
     slots = torch.arange(M, device=device)
     jump = torch.where(parents < 0, slots.expand(B, M), parents)  # [B, M]: 2^r levels up (a root stays put)
     levels = (parents >= 0).long()  # [B, M]: how many levels up `jump` is
-    words = torch.zeros(M, -(-M // BITS), dtype=torch.long, device=device)
-    words[slots, slots // BITS] = 1 << (slots % BITS)  # each node is its own ancestor (bit 63 is the sign bit: fine for |)
-    words = words.repeat(B, 1, 1)  # [B, M, W]
+    words = _own_bits(M, device).repeat(B, 1)  # [B x M, W]: each node is its own ancestor
+    row_start = torch.arange(0, B * M, M, device=device)[:, None]  # [B, 1]: a row's first node in the table
     for _ in range(doubling_rounds(M - 1 if depth is None else depth)):
-        words |= words.gather(1, jump[:, :, None].expand_as(words))
+        words |= words.index_select(0, (jump + row_start).view(-1))
         levels = levels + levels.gather(1, jump)
         jump = jump.gather(1, jump)
-    masks = _bit_table(device).take(words.view(torch.uint8).long()).view(torch.bool).view(B, M, -1)[:, :, :M]  # bytes [B, M, 8W] -> [B, M, M]
+    table_rows = words.view(torch.uint8).view(-1).int()  # int32 indices: half the memory of int64 ones, and faster
+    masks = _bit_table(device).index_select(0, table_rows).view(torch.bool).view(B, M, -1)[:, :, :M]  # bytes [B, M, 8W] -> [B, M, M]
     return masks, levels
+
+
+@cache
+def _own_bits(M: int, device) -> torch.Tensor:
+    """[M, W] int64: node i's own bit, bit i % 64 of word i // 64 (bit 63 is the sign bit: fine for |)."""
+    slots = torch.arange(M, device=device)
+    words = torch.zeros(M, -(-M // BITS), dtype=torch.long, device=device)
+    words[slots, slots // BITS] = 1 << (slots % BITS)
+    return words
 
 
 def doubling_rounds(depth: int) -> int:
@@ -129,7 +141,9 @@ def pack(trees: list[DraftTree], device, depth: int | None = None) -> tuple[torc
     depths are built there.
     """
     width = max(len(t.tokens) for t in trees)
-    rows = np.array([[*t.tokens, *[0] * (width - len(t.tokens)), *t.parents, *[-1] * (width - len(t.tokens))] for t in trees])
+    zeros, roots = (0,) * width, (-1,) * width
+    row = (t.tokens + zeros[len(t.tokens):] + t.parents + roots[len(t.tokens):] for t in trees)
+    rows = np.fromiter(itertools.chain.from_iterable(row), np.int64, 2 * width * len(trees))
     tokens, parents = torch.from_numpy(rows).to(device, non_blocking=True).view(len(trees), 2, width).unbind(1)
     mask, depths = ancestor_masks(parents, depth)
     return tokens, depths, mask, parents
