@@ -103,9 +103,9 @@ class BastionBudget(Budget):
         """For n = 0.. all nodes: per-row node counts [n+1, B], predicted verify time [n+1],
         predicted step time in AR steps [n+1] and predicted speedup over AR S(n) [n+1]."""
         counts, gained = merge_best_first(trees)
-        new_tokens = 1 + counts.max(axis=1, keepdims=True).repeat(len(trees), axis=1)  # the padded batch
-        ctx = np.asarray(contexts)[None, :].repeat(len(counts), 0)
-        verify = self.latency.predict(new_tokens, ctx)
+        widths, at = np.unique(counts.max(axis=1), return_inverse=True)  # the padded batch's draft nodes per row
+        ctx = np.asarray(contexts)[None, :].repeat(len(widths), 0)
+        verify = self.latency.predict(1 + widths[:, None].repeat(len(trees), axis=1), ctx)[at]  # priced once per width
         draft_s, other_s = self.draft_s(contexts), self.recent.other_s
         cost = (draft_s + verify + other_s) / (verify[0] + other_s)  # n = 0 is an AR step
         speedup = (1 + self.acceptance_ratio * gained / len(trees)) / cost
