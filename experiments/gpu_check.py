@@ -26,7 +26,9 @@ recorded in the JSON even when another fails (its traceback in place of its figu
   exact equality, and `lossless_ties` (bench/divergence.py) where bf16 rounding can flip a near-tie;
 - memory: the measured peak of a decode against models/memory.py's plan;
 - host_step: the host's share of a decode step (experiments/host_step.py) on the big target;
-- compiled_forward: decode.compile's forward, seconds to compile a shape and its time per forward.
+- compiled_forward: decode.compile's forward, seconds to compile a shape and its time per forward;
+- graphed_forward: the forward captured once as a CUDA graph and replayed, by kernel, next to the
+  same forward eager: what removing the host's launches is worth, and whether the forward captures.
 
 The JSON is rewritten after every section, so a run cut short keeps what it measured.
 """
@@ -94,6 +96,7 @@ class Scale:
     decode_nodes: tuple[int, ...]  # N of single-row verifies, where inductor may pick flex's decoding kernel
     forward_shapes: tuple[tuple[int, int], ...]  # (B, N) of forwards timed by kernel, eager
     compiled_shapes: tuple[tuple[int, int], ...]  # (B, N) of forwards compiled (decode.compile)
+    graph_shapes: tuple[tuple[int, int], ...]  # (B, N) of forwards captured as CUDA graphs
     grid_batches: tuple[int, ...]
     grid_nodes: tuple[int, ...]
     grid_context: int
@@ -117,6 +120,7 @@ PAPER = Scale(
     drafter_layers=5, block_size=16, feature_layers=5, mask_token_id=151669,  # z-lab Qwen3 drafters' mask token
     logit_tokens=32, attention_batch=16, attention_nodes=257, attention_prefix=(3584, 4096),
     decode_nodes=(1, 4, 16, 33, 64), forward_shapes=((1, 1), (1, 16), (16, 256)), compiled_shapes=((1, 1), (1, 16)),
+    graph_shapes=((1, 1), (1, 16), (4, 64)),
     grid_batches=(1, 4, 16), grid_nodes=(1, 4, 16, 64, 256, 1024), grid_context=1024, probe_sizes=PROBE_SIZES,
     repeats=5,
     lossless_batch=4, prompt_tokens=(96, 160), lossless_tokens=128, fixed_nodes=64,
@@ -129,7 +133,7 @@ SMOKE = Scale(
     kernels=("sdpa", "flex") + (("triton",) if os.environ.get("TRITON_INTERPRET") == "1" else ()),
     drafter_layers=1, block_size=16, feature_layers=2, mask_token_id=16,
     logit_tokens=16, attention_batch=3, attention_nodes=17, attention_prefix=(8, 40),
-    decode_nodes=(4,), forward_shapes=((1, 1), (2, 8)), compiled_shapes=((1, 4),),
+    decode_nodes=(4,), forward_shapes=((1, 1), (2, 8)), compiled_shapes=((1, 4),), graph_shapes=((1, 4),),
     grid_batches=(1, 2), grid_nodes=(1, 4, 16), grid_context=32, probe_sizes=(1, 2, 4, 8, 16), repeats=2,
     lossless_batch=2, prompt_tokens=(8, 24), lossless_tokens=16, fixed_nodes=8,
     memory_batch=2, memory_context=32, memory_tokens=8, memory_nodes=16,
@@ -394,6 +398,60 @@ def section_compiled_forward(run: Run) -> dict:
     return {"context": s.grid_context, "kernel": target.attention, "cells": cells}
 
 
+def graphed(fn, device: str):
+    """`fn` captured as one CUDA graph, and a function that replays it and returns the outputs of
+    the capture (static buffers, rewritten by every replay); on a CPU, which has no graphs, `fn`."""
+    if device != "cuda":
+        return fn
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):  # lazy initialisation, workspaces and autotuning happen outside the capture
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+
+    def replay():
+        graph.replay()
+        return out
+
+    return replay
+
+
+@torch.inference_mode()
+def section_graphed_forward(run: Run) -> dict:
+    """The target's forward (inputs and cache as a decode step has them, the KV written in place)
+    captured once as a CUDA graph and replayed, next to the same forward eager, by kernel: what a
+    forward costs without the host's launches, which decode.compile does not remove yet, and
+    whether each kernel's forward captures at all (a failure is recorded per kernel)."""
+    s = run.scale
+    cells = []
+    for B, N in s.graph_shapes:
+        cell = {"B": B, "N": N}
+        for kernel in s.kernels:
+            target = replace(run.target, attention=kernel)
+            try:
+                tokens, depths, mask, cache = verify_inputs(target, B, N, s.grid_context)
+                write_pos, layout = cache.prepare(N, mask)
+                positions = layout.prefix[:, None] + depths
+
+                def forward():
+                    return target.model(tokens, positions, layout, cache, write_pos)[0]  # [B, N, h]
+
+                eager = forward().clone()
+                replay = graphed(forward, s.device)
+                cell[kernel] = {"eager_ms": 1e3 * median_seconds(forward, s.device, s.repeats),
+                                "graph_ms": 1e3 * median_seconds(replay, s.device, s.repeats),
+                                "max_abs_diff": float((replay().float() - eager.float()).abs().max())}
+                del replay
+            except Exception as error:  # noqa: BLE001 (the next kernel is still measured)
+                cell[kernel] = {"error": f"{type(error).__name__}: {error}"[:1000]}
+        cells.append(cell)
+    return {"context": s.grid_context, "graphs": s.device == "cuda", "cells": cells}
+
+
 def section_verify_latency(run: Run) -> dict:
     """Verify forwards (the target's forward and the argmax greedy verification reads) of N tree
     tokens in each of B rows after `grid_context` cached ones, against the latency model: the
@@ -492,7 +550,8 @@ def section_host_step(run: Run) -> dict:
 
 SECTIONS = {"target": section_target, "logits": section_logits, "attention": section_attention,
             "forward": section_forward, "verify_latency": section_verify_latency, "lossless": section_lossless,
-            "memory": section_memory, "host_step": section_host_step, "compiled_forward": section_compiled_forward}
+            "memory": section_memory, "host_step": section_host_step, "compiled_forward": section_compiled_forward,
+            "graphed_forward": section_graphed_forward}
 
 
 def plain(value):
@@ -505,6 +564,9 @@ def version(package: str) -> str | None:
         return metadata.version(package)
     except metadata.PackageNotFoundError:
         return None
+
+
+ALARM_REPEAT = 0.25  # seconds between a late section's alarms after the first (an import that fails may be retried, swallowing one)
 
 
 def out_of_time(signum, frame):
@@ -520,12 +582,13 @@ def run_section(run: Run, section, limit: float) -> dict:
         torch.cuda.reset_peak_memory_stats()
     started = time.perf_counter()
     signal.signal(signal.SIGALRM, out_of_time)
-    signal.setitimer(signal.ITIMER_REAL, limit)
+    signal.setitimer(signal.ITIMER_REAL, limit, ALARM_REPEAT if limit else 0)  # again and again: library code may swallow one
     try:
         result = {"ok": True, **section(run)}
         if cuda:
             torch.cuda.synchronize()  # its queued work counts in its time, and its errors here
     except Exception as error:  # every section runs and reports, whatever another one raised
+        signal.setitimer(signal.ITIMER_REAL, 0)
         summary = f"{type(error).__name__}: {error}".splitlines()[0]
         result = {"ok": False, "error": summary, "traceback": traceback.format_exc()}
     finally:

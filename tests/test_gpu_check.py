@@ -14,7 +14,7 @@ import pytest
 from tests.conftest import ROOT
 
 SECTIONS = ("target", "logits", "attention", "forward", "verify_latency", "lossless", "memory", "host_step",
-            "compiled_forward")
+            "compiled_forward", "graphed_forward")
 
 
 @pytest.mark.slow
@@ -61,6 +61,9 @@ def test_smoke_run_reports_every_section(tmp_path):
     assert forward["profile"]["aten_calls"] > 0 and forward["profile"]["busiest"][0]["self_cpu_ms"] > 0
     (compiled,) = sections["compiled_forward"]["cells"]
     assert compiled["compile_s"] > 0 and compiled["compiled_ms"] > 0 and compiled["eager_ms"] > 0
+    (graphed,) = sections["graphed_forward"]["cells"]  # a CPU has no graphs: the same forward, run again
+    assert not sections["graphed_forward"]["graphs"]
+    assert all(graphed[k]["max_abs_diff"] == 0 and graphed[k]["graph_ms"] > 0 for k in kernels), graphed
 
 
 def test_sections_past_the_deadline_are_skipped_and_reported(tmp_path):
