@@ -265,18 +265,19 @@ def test_sampled_outputs_equal_ar_for_the_same_seed(name, tmp_path):
         assert ar != ar_outputs(target, prompts, 20)
         assert ar != [g.tokens for g in generate(target, prompts, max_new_tokens=20, sampling=sampling, seed=8).generations]
         oracle = OracleDrafter(dict(zip(map(tuple, prompts), ar)), vocab=VOCAB, top_k=4)
-        methods = [(policy, FixedBudget(n)) for policy in POLICIES for n in (2, 8)]
+        methods = [(policy, FixedBudget(n)) for policy in POLICIES for n in (2, 8, 24)]
         for _ in range(2):
             bastion = BastionBudget(max_nodes=16, probe=False, scale_acceptance=False)
             bastion.start(target, HardwareProfile("cpu", {"float64": 0.05}, 8.0, 1.0), tmp_path)
             methods.append(("best_first", bastion))
-        deepest = 0
+        deepest = 0  # over the fixed budgets: BASTION's sizes follow this machine's timings
         for policy, budget in methods:
             d = generate(target, prompts, drafter=oracle, policy=POLICIES[policy], budget=budget, max_new_tokens=20,
                          sampling=sampling, seed=7)
             for prompt, exp, gen in zip(prompts, ar, d.generations):
                 assert gen.tokens == exp, f"{name} {policy} {type(budget).__name__} at T={sampling.temperature}: output differs from AR's"
-            deepest = max(deepest, *(max(s.produced) for s in d.steps))
+            if isinstance(budget, FixedBudget):
+                deepest = max(deepest, *(max(s.produced) for s in d.steps))
         assert deepest >= 4, "trees should accept deep paths"
 
 
