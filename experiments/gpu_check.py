@@ -4,7 +4,7 @@
     python experiments/gpu_check.py out.json --smoke         # every section on the CPU, a tiny shape
     PYTHONPATH=. python3 experiments/gpu_check.py out.json   # from the checkout, bastion not installed
 
-It needs PyTorch, transformers, safetensors, numpy, PyYAML and tqdm, not the config stack
+It needs PyTorch, transformers, safetensors, numpy, scipy, PyYAML and tqdm, not the config stack
 (hydra, omegaconf): a GPU machine's stock image runs it as it is.
 
 A random-weight target shaped like Qwen3-8B (bf16) and a random drafter shaped like
@@ -425,13 +425,19 @@ def section_graphed_forward(run: Run) -> dict:
     """The target's forward (inputs and cache as a decode step has them, the KV written in place)
     captured once as a CUDA graph and replayed, next to the same forward eager, by kernel: what a
     forward costs without the host's launches, which decode.compile does not remove yet, and
-    whether each kernel's forward captures at all (a failure is recorded per kernel)."""
+    whether each kernel's forward captures at all. A failed capture can leave the allocator
+    inside it, spoiling every later CUDA call, so after one the remaining cells are not tried
+    (each failure's traceback is recorded, the chained cause included)."""
     s = run.scale
-    cells = []
+    cells, failed = [], None
     for B, N in s.graph_shapes:
         cell = {"B": B, "N": N}
         for kernel in s.kernels:
             target = replace(run.target, attention=kernel)
+            if failed:
+                cell[kernel] = {"error": f"not tried: the capture of {failed} failed before"}
+                continue
+            stage = "eager"
             try:
                 tokens, depths, mask, cache = verify_inputs(target, B, N, s.grid_context)
                 write_pos, layout = cache.prepare(N, mask)
@@ -441,13 +447,19 @@ def section_graphed_forward(run: Run) -> dict:
                     return target.model(tokens, positions, layout, cache, write_pos)[0]  # [B, N, h]
 
                 eager = forward().clone()
+                stage = "capture"
                 replay = graphed(forward, s.device)
                 cell[kernel] = {"eager_ms": 1e3 * median_seconds(forward, s.device, s.repeats),
                                 "graph_ms": 1e3 * median_seconds(replay, s.device, s.repeats),
                                 "max_abs_diff": float((replay().float() - eager.float()).abs().max())}
                 del replay
-            except Exception as error:  # noqa: BLE001 (the next kernel is still measured)
-                cell[kernel] = {"error": f"{type(error).__name__}: {error}"[:1000]}
+            except TimeoutError:  # the section's time limit (run_section)
+                raise
+            except Exception as error:  # noqa: BLE001 (recorded in place of the cell's figures)
+                cell[kernel] = {"error": f"{stage}: {type(error).__name__}: {error}".splitlines()[0],
+                                "traceback": traceback.format_exc()}
+                if stage == "capture":
+                    failed = f"{kernel} at B={B}, N={N}"
         cells.append(cell)
     return {"context": s.grid_context, "graphs": s.device == "cuda", "cells": cells}
 
