@@ -145,6 +145,13 @@ def test_warm_up_decodes_the_first_batch_at_the_runs_batch_size(tiny_qwen3, tmp_
         assert [len(call) for call in method.calls] == [4, 4, 1]  # warm-up, then the batches
 
 
+def test_a_shard_without_prompts_writes_nothing(tiny_qwen3, tmp_path):
+    """torchrun ranks beyond the prompts (bench.limit=4 on 8 GPUs) get none: no warm-up, no record."""
+    method = Recording("ar")
+    run_methods(tiny_qwen3, [method], [], "gsm8k", tmp_path, 4, batch_size=4)
+    assert method.calls == [] and read_records(tmp_path / "results.jsonl") == []
+
+
 def composed(*overrides: str):
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
         return compose("config", overrides=list(overrides))

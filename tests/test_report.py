@@ -179,6 +179,15 @@ def test_speedup_interval_bounds_the_speedup_from_the_batches():
         summarize(timed_records({"ar": [10, 12, 9, 11], METHOD: [5, 8, 4, 6]}, per_batch=2)))  # no random drift
 
 
+def test_a_batch_of_prompts_with_different_turn_counts_counts_every_turn():
+    """Each record carries the time of the turns its prompt took part in: a batch whose first
+    prompt has one turn and whose second has two took the second's time (10 + 6 s for AR, 5 + 1
+    for the method)."""
+    records = timed_records({"ar": [10], METHOD: [5]}, per_batch=2)
+    records.loc[records.prompt_id == "gsm8k/1", "batch_wall_s"] += records.method.map({"ar": 6, METHOD: 1})
+    assert summarize(records).set_index("method").loc[METHOD].speedup == pytest.approx(16 / 6)
+
+
 def test_a_speedup_from_few_prompts_or_one_batch_is_noted():
     one_batch = summarize(timed_records({"ar": [10], METHOD: [5]}, per_batch=3)).set_index("method")
     assert one_batch.loc[METHOD].speedup == 2.0 and pd.isna(one_batch.loc[METHOD].speedup_lo)

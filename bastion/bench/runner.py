@@ -58,7 +58,7 @@ def run_methods(
     kept = [r for r in read_records(results) if (r["method"], r.get("fingerprint")) in current]
     done = {(r["method"], r["bench"], r["prompt_id"], r["prompt_hash"]) for r in kept}
     ar = {r["prompt_id"]: r for r in kept if r["method"] == BASELINE and r["bench"] == bench}  # AR's records, to compare with
-    if warmup:  # the first batch at the run's batch size: a batch-1 warm-up leaves larger batches' shapes cold
+    if warmup and prompts:  # the first batch at the run's batch size: a batch-1 warm-up leaves larger batches' shapes cold
         first = [chat_tokens(target, [{"role": "user", "content": p.turns[0]}])
                  for p in prompts[:batch_size]]
         for method in methods:

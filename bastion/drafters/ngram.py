@@ -26,6 +26,7 @@ class NgramDrafter(Drafter):
             raise ValueError(f"ngram sizes need 1 <= min_ngram <= max_ngram (got {min_ngram}, {max_ngram}).")
         self.drafts, self.max_ngram, self.min_ngram = drafts, max_ngram, min_ngram
         self.top_k, self.max_matches = top_k, max_matches
+        self.device = target.device if target is not None else torch.device("cpu")  # where proposals go (sampled trees draw there)
 
     def propose(self, ctx: DraftContext) -> BlockProposal:
         B, K, k = len(ctx.sequences), self.drafts, self.top_k
@@ -38,7 +39,8 @@ class NgramDrafter(Drafter):
                 for rank, (token, n) in enumerate(counts.most_common(k)):
                     tokens[b, pos, rank] = token
                     logprobs[b, pos, rank] = math.log(n / len(continuations))
-        return BlockProposal(roots=[seq[-1] for seq in ctx.sequences], tokens=tokens, logprobs=logprobs)
+        send = {"device": self.device, "non_blocking": True}  # built on the host, entry by entry; sent once
+        return BlockProposal([seq[-1] for seq in ctx.sequences], tokens.to(**send), logprobs.to(**send))
 
     def lookup(self, seq: np.ndarray) -> list[list[int]]:
         """Continuations of the most recent matches of the longest matching suffix."""
