@@ -221,10 +221,11 @@ def test_wrong_profile_corrects_itself_online():
     wrong = controller(None, H100)
     chosen = []
     for _ in range(20):
-        n = wrong.size([tree], [300])[0].n_nodes
+        sized = wrong.size([tree], [300])[0]
+        n, a_hat = sized.n_nodes, sized.expected_accepted()
         chosen.append(n)
         seconds = float(truth.predict(np.array([n + 1]), np.array([300])))
-        wrong.observe(measured(seconds), [300], n + 1)
+        wrong.observe(measured(seconds, a_hat, a_hat), [300], n + 1)  # the drafter as good as it believes
     assert all(abs(n - right) <= 0.2 * right for n in chosen[-5:]), (right, chosen)
     assert chosen[0] > 2 * right  # it did start far off
 
@@ -243,6 +244,16 @@ def test_an_overconfident_drafter_gets_smaller_trees():
     assert budget.acceptance_ratio == pytest.approx(0.3, abs=0.03)
     assert budget.size([tree], [300])[0].n_nodes < trusting
     assert controller(TRUE_CPU).size([tree], [300])[0].n_nodes == trusting  # the uncalibrated choice
+
+
+def test_acceptance_is_measured_against_the_trees_the_controller_priced():
+    """Sampled children (T > 0) replace the sized trees by drawn ones of lower A_hat (the step's
+    `expected`); the ratio that scales the sized trees' A_hat must be taken against theirs."""
+    budget, tree = controller(TRUE_CPU), chain(256, 0.93)
+    for _ in range(60):
+        sized = budget.size([tree], [300])[0]
+        budget.observe(measured(0.05, 0.5 * sized.expected_accepted(), 0.1 * sized.expected_accepted()), [300], sized.n_nodes + 1)
+    assert budget.acceptance_ratio == pytest.approx(0.5, abs=0.05)
 
 
 def test_drafting_stops_while_no_tree_beats_ar_and_is_retried():

@@ -121,7 +121,8 @@ class BastionBudget(Budget):
             return
         decay = 1 - self.smoothing / 4  # acceptance is noisy: a long memory
         self.accepted = decay * self.accepted + sum(step.produced) - len(step.produced)
-        self.believed = decay * self.believed + sum(step.expected)
+        self.believed = decay * self.believed + sum(t.expected_accepted() for t in self._sized)  # the trees it priced, not
+        # step.expected: sampled children (T > 0) replace them with drawn tokens of lower A_hat
         # the curve's own error: a wrong profile shows there, while measured sizes' corrections hide it
         forecast = float(self.latency.predict(np.full((1, len(contexts)), width), np.asarray(contexts)[None, :], corrected=False)[0])
         self.latency.observe_forward([width] * len(contexts), contexts, step.verify_s)
