@@ -13,7 +13,7 @@ from bastion.tree.best_first import best_first, ranked
 from bastion.tree.chain import chain
 from bastion.tree.draft_tree import DraftTree, pack
 from bastion.verify import verify_greedy
-from bastion.tree.proposal import BlockProposal
+from bastion.tree.proposal import BlockProposal, TreeProposal
 
 #        0(root)
 #       /      \
@@ -105,6 +105,16 @@ def test_ranked_is_a_stable_descending_sort():
 def test_tree_rejects_children_before_parents():
     with pytest.raises(ValueError):
         DraftTree((1, 2, 3), (-1, 2, 0), (0.0, 0.0, 0.0))
+
+
+def test_best_first_refuses_a_child_that_scores_above_its_parent():
+    """Its trees are built unchecked; a drafter whose log-probabilities rise along a path would
+    make a picked node's parent unpicked (a second root that every verifier accepts)."""
+    tokens, parents, logq = torch.tensor([[5, 6, 7]]), torch.tensor([[-1, 0, 1]]), torch.tensor([[0.0, -1.0, -0.5]])
+    rising = TreeProposal([5], tokens, parents, logq, torch.zeros(1, 3, dtype=torch.long), depth=2)
+    for n in (1, 2):  # the child alone, or listed before its parent
+        with pytest.raises(ValueError, match="scores above its parent"):
+            best_first(rising, n)
 
 
 def proposal(probs: list[list[float]]) -> BlockProposal:
