@@ -11,7 +11,7 @@ import torch
 
 from bastion.tree.best_first import best_first, ranked
 from bastion.tree.chain import chain
-from bastion.tree.draft_tree import DraftTree, pack
+from bastion.tree.draft_tree import DraftTree, ancestor_masks, pack
 from bastion.verify import verify_greedy
 from bastion.tree.proposal import BlockProposal, TreeProposal
 
@@ -36,7 +36,7 @@ def test_ancestor_mask_and_depths_match_hand_built_reference():
         [T, F, T, F, F, T, F],
         [T, T, F, T, F, F, T],
     ])
-    assert torch.equal(TREE.ancestor_mask(), expected)
+    assert torch.equal(ancestor_masks(torch.tensor([TREE.parents]))[0][0], expected)
     assert TREE.depths == (0, 1, 1, 2, 2, 2, 3)
     assert TREE.path(6) == [0, 1, 3, 6]
     assert TREE.children[1] == (3, 4)
@@ -47,7 +47,7 @@ def test_pack_pads_rows_that_see_only_themselves():
     tokens, depths, mask, parents = pack([TREE, small], "cpu")
     assert tokens.tolist() == [[10, 11, 12, 13, 14, 15, 16], [20, 21, 0, 0, 0, 0, 0]]
     assert depths.tolist() == [[0, 1, 1, 2, 2, 2, 3], [0, 1, 0, 0, 0, 0, 0]]
-    assert torch.equal(mask[0], TREE.ancestor_mask())
+    assert torch.equal(mask[0], ancestor_masks(torch.tensor([TREE.parents]))[0][0])
     assert torch.equal(mask[1, :2, :2], torch.tensor([[True, False], [True, True]]))
     assert torch.equal(mask[1, 2:], torch.eye(7, dtype=torch.bool)[2:])
     assert parents.tolist() == [[-1, 0, 0, 1, 1, 2, 3], [-1, 0, -1, -1, -1, -1, -1]]

@@ -65,7 +65,8 @@ class Target:
         [B, N, h] and the `capture` layers' outputs [B, N, F].
 
         A compiled target runs bucketed shapes (see compile_forward): N padded to a power of two
-        with tokens that see only themselves, the attended keys to a multiple of KEY_BUCKET.
+        (padding tokens see only themselves in a tree, and causally in a prompt; their outputs are
+        dropped), the attended keys to a multiple of KEY_BUCKET.
         """
         n, width = tokens.shape[1], self.padded(tokens.shape[1])
         if width > n:

@@ -16,9 +16,10 @@ import torch
 class DraftTree:
     """Draft tokens hanging below a root, the last verified token (its KV is not cached yet).
 
-    Index 0 is the root; nodes 1..N follow in the order their policy valued them, parents
-    first, so every prefix `truncate(n)` is itself a prefix-closed tree. That is what lets a
-    budget controller size a tree after it was built.
+    Index 0 is the root; nodes 1..N follow parents first, as a policy lists them: in the order
+    it values them, so every prefix `truncate(n)` is itself a prefix-closed tree, its best of n
+    nodes. That is what lets a budget controller size a tree after it was built (children
+    sampled after sizing, T > 0, are listed in their parents' order instead).
     """
 
     tokens: tuple[int, ...]  # [1+N]; tokens[0] is the root token
@@ -75,10 +76,6 @@ class DraftTree:
             node = self.parents[node]
             path.append(node)
         return path[::-1]
-
-    def ancestor_mask(self) -> torch.Tensor:
-        """[1+N, 1+N] bool: mask[i, j] is True iff j is i or an ancestor of i."""
-        return ancestor_masks(torch.tensor([self.parents]))[0][0]
 
 
 BITS = 64  # ancestor bits per int64 word
