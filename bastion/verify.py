@@ -73,6 +73,7 @@ def verify_sampled(
     target_probs = sampling.probs(logits)  # [B, M, V]
     B, device = len(trees), target_probs.device
     most = max((len(kids) for tree in trees for kids in tree.children), default=0)
+    depth = min(depth, max(max(tree.depths) for tree in trees))  # levels below the deepest node only spend launches
     rows = torch.arange(B, device=device)
     node, live = torch.zeros(B, dtype=torch.long, device=device), torch.ones(B, dtype=torch.bool, device=device)
     p, bonus, steps = target_probs[:, 0], torch.zeros(B, dtype=torch.long, device=device), []
@@ -124,7 +125,7 @@ def sample_children(trees: list[DraftTree], draft_probs: torch.Tensor, generator
     chunks = []
     for rows, depths in zip(b.split(SAMPLED_PARENTS), depth.split(SAMPLED_PARENTS)):
         q = draft_probs[rows, depths]  # [P, V]
-        u = torch.rand(q.shape, generator=generator, device=q.device, dtype=q.dtype)
+        u = torch.rand(q.shape, generator=generator, device=q.device, dtype=q.dtype).clamp_min(torch.finfo(q.dtype).tiny)  # rand's 0 would bar a token
         draws = (q.log() - (-u.log()).log()).topk(most, dim=-1).indices  # [P, most]
         logq = q.gather(1, draws).log()  # -inf: past q's nonzero tokens
         chunks.append(torch.stack([draws.to(logq.dtype), logq], 1))
