@@ -16,7 +16,7 @@ from hydra.core.override_parser.types import OverrideType
 from hydra.utils import get_object
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from bastion.budget.hardware import HardwareProfile, known_profiles, profile_from_config
+from bastion.budget.hardware import HardwareProfile, device_name, known_profiles, profile_from_config
 from bastion.engine import generate
 from bastion.models.packed_linear import prepack_linears
 from bastion.models.target import compile_forward
@@ -181,7 +181,7 @@ def method_settings(cfg: DictConfig, plan: MethodPlan) -> dict:
     for drafting methods the drafter (with a digest of its checkpoint's files), tree and budget."""
     settings = {key: OmegaConf.to_container(cfg[key], resolve=True) if OmegaConf.is_config(cfg[key]) else cfg[key]
                 for key in ("target", "decode", "seed", "threads", "packed_weights", "attention")}
-    settings["device"] = cfg.device.split(":")[0]  # cpu or cuda: torchrun's ranks run one cuda:N each, alike
+    settings["device"] = device_name(cfg.device)  # the model (a GPU's, a CPU's): a resume elsewhere would mix machines' timings
     if plan.node is not None:
         for group, node in (("drafter", plan.node.drafter), ("tree", plan.node.tree), ("budget", plan.budget),
                             ("gpu", plan.node.gpu)):

@@ -88,6 +88,24 @@ def test_a_local_target_whose_weights_were_replaced_is_refused(tmp_path):
         assert "target_files" not in method_settings(composed("target=tiny_qwen3", f"target.source={source}"), ar)
 
 
+def test_a_resume_on_another_machine_model_is_refused(tmp_path, monkeypatch):
+    """Records keep the machine they were timed on: a run dir resumed on another CPU or GPU
+    model would mix two machines' timings under the last one's machine.json."""
+    import bastion.compose
+    from bastion.compose import method_settings, plan_methods
+    from tests.test_errors import composed
+
+    cfg = composed("target=tiny_qwen3")
+    ar = plan_methods(cfg)[0]
+    check_run_dir(tmp_path, {"ar": method_settings(cfg, ar)})
+    (tmp_path / "results.jsonl").write_text(json.dumps({"method": "ar"}) + "\n")
+    check_run_dir(tmp_path, {"ar": method_settings(cfg, ar)})  # the same machine: resumes
+    here = method_settings(cfg, ar)["device"]
+    monkeypatch.setattr(bastion.compose, "device_name", lambda device: "Another CPU")
+    with pytest.raises(ValueError, match=f"device {here} -> Another CPU"):
+        check_run_dir(tmp_path, {"ar": method_settings(cfg, ar)})
+
+
 def test_records_of_an_older_version_are_not_resumed(tmp_path):
     (tmp_path / "results.jsonl").write_text(json.dumps({"method": "ar"}) + "\n")
     with pytest.raises(ValueError, match="settings this version did not record"):
