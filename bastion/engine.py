@@ -275,10 +275,10 @@ def _scores(m: _Method, batch: _Batch, hidden: torch.Tensor, depths: torch.Tenso
     if not m.sampling.keyed:
         return m.target.logits(hidden)
     start = to_device([len(batch.decoding.generations[i].tokens) for i in batch.active], hidden.device)  # [B] output position after each root
-    keys = m.keys[batch.active]
+    noise = m.sampling.noise(m.seed, m.keys[batch.active], start, depth + 1, m.target.args.vocab_size)  # [B, depth + 1, V]
 
     def keyed(logits: torch.Tensor, nodes: slice) -> torch.Tensor:
-        return m.sampling.scores(logits, m.seed, keys, start, depths[:, nodes], levels=depth + 1)
+        return m.sampling.scores(logits, noise, depths[:, nodes])
 
     return m.target.argmax(hidden, score=keyed)
 
@@ -296,7 +296,8 @@ def _first_tokens(logits: torch.Tensor, sampling: Sampling, seed: int, keys: tor
     """The token prefill produces (output position 0) per row from logits [B, V]."""
     if sampling.keyed:
         zeros = torch.zeros(len(keys), 1, dtype=torch.long, device=logits.device)
-        return sampling.scores(logits[:, None], seed, keys, zeros[:, 0], zeros, levels=1)[:, 0].argmax(-1).tolist()
+        noise = sampling.noise(seed, keys, zeros[:, 0], 1, logits.shape[-1])  # [B, 1, V]
+        return sampling.scores(logits[:, None], noise, zeros)[:, 0].argmax(-1).tolist()
     return torch.multinomial(sampling.probs(logits), 1, generator=generator)[:, 0].tolist()
 
 

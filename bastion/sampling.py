@@ -66,19 +66,23 @@ class Sampling:
         """Tokens are keyed Gumbel-max samples (greedy is the noiseless case)."""
         return self.greedy or self.tree_mode == "ranked"
 
-    def scores(self, logits: torch.Tensor, seed: int, keys: torch.Tensor, start: torch.Tensor, depths: torch.Tensor,
-               levels: int) -> torch.Tensor:
-        """logits [B, M, V] of tree nodes at `depths` [B, M] below roots whose next token is
-        output position `start` [B], rows keyed `keys` [B] -> scores whose argmax is the keyed
-        sample: the logits themselves at temperature 0, else log p + Gumbel noise (float64, so
-        the noise's tail survives the sum). Noise is drawn once per depth, not per node, for
-        `levels` depths (more than any node's, known on the host: reading `depths` would wait
-        for the device)."""
+    def noise(self, seed: int, keys: torch.Tensor, start: torch.Tensor, levels: int, vocab: int) -> torch.Tensor | None:
+        """The keyed Gumbel noise [B, levels, V] (float64) of rows keyed `keys` [B] at output
+        positions start[b] + 0 .. levels - 1: a tree's nodes at one depth share a position, so
+        it is drawn once per step and depth, not per node nor per chunk of nodes, for more
+        levels than any node's depth (known on the host: reading depths would wait for the
+        device). None at temperature 0."""
         if self.greedy:
+            return None
+        return gumbel(seed, keys, start[:, None] + torch.arange(levels, device=start.device), vocab)
+
+    def scores(self, logits: torch.Tensor, noise: torch.Tensor | None, depths: torch.Tensor) -> torch.Tensor:
+        """logits [B, M, V] of tree nodes at `depths` [B, M] -> scores whose argmax is the keyed
+        sample: the logits themselves at temperature 0 (no noise), else log p + the noise of
+        each node's depth (float64, so the noise's tail survives the sum)."""
+        if noise is None:
             return logits
-        noise = gumbel(seed, keys, start[:, None] + torch.arange(levels, device=start.device), logits.shape[-1])  # [B, D, V]
-        noise = noise.gather(1, depths[:, :, None].expand(-1, -1, logits.shape[-1]))  # [B, M, V]
-        return self.probs(logits).double().log() + noise
+        return self.probs(logits).double().log() + noise.gather(1, depths[:, :, None].expand(-1, -1, logits.shape[-1]))
 
 
 GREEDY = Sampling()
@@ -115,8 +119,8 @@ def gumbel(seed: int, keys: torch.Tensor, positions: torch.Tensor, vocab: int) -
     the same noise as AR did, on any device, in any order. On a CPU it is made a few positions
     at a time (NOISE_CELLS): ~45 passes over a block that outgrows the caches cost far more."""
     keys, positions = ((t.to(torch.int64) & _MASK32).to(torch.int32) for t in (keys, positions))
-    seed_word = _hash32(_hash32(torch.tensor(_word(seed), dtype=torch.int32)) ^ _word(seed >> 32))
-    row = _hash32(_hash32(keys) ^ seed_word.to(keys.device))  # [B]; seed and key hashed apart, so (seed, key) pairs never swap
+    seed_word = int(_hash32(_hash32(torch.tensor(_word(seed), dtype=torch.int32)) ^ _word(seed >> 32)))  # a host int: nothing to copy
+    row = _hash32(_hash32(keys) ^ seed_word)  # [B]; seed and key hashed apart, so (seed, key) pairs never swap
     cell = _hash32(row[:, None] ^ _hash32(positions))  # [B, M]
     salt = _hash32(cell ^ _word(0x5BD1E995))  # a second, independent word per cell
     token = torch.arange(vocab, device=positions.device, dtype=torch.int32)

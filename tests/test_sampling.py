@@ -231,10 +231,11 @@ def test_keyed_scores_a_chunk_of_nodes_at_a_time_take_the_same_samples(tiny16):
     hidden = torch.randn(2, 7, tiny16.args.hidden_size, generator=torch.Generator().manual_seed(0)).to(tiny16.dtype)
     depths = torch.tensor([[0, 1, 1, 2, 3, 2, 4], [0, 1, 2, 3, 4, 5, 6]])
     keys, start = torch.tensor([3, 9]), torch.tensor([5, 40])
-    whole = sampling.scores(tiny16.logits(hidden), 7, keys, start, depths, levels=7).argmax(-1)
+    noise = sampling.noise(7, keys, start, 7, tiny16.args.vocab_size)
+    whole = sampling.scores(tiny16.logits(hidden), noise, depths).argmax(-1)
 
     def keyed(logits, nodes):
-        return sampling.scores(logits, 7, keys, start, depths[:, nodes], levels=7)
+        return sampling.scores(logits, noise, depths[:, nodes])
 
     assert torch.equal(tiny16.argmax(hidden, chunk_elements=1, score=keyed), whole)
     assert not torch.equal(whole, tiny16.argmax(hidden))  # the samples are not simply the argmax
