@@ -4,6 +4,7 @@ that resumes without losing or repeating a record."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import signal
 import subprocess
@@ -20,6 +21,7 @@ from bastion.bench.provenance import read_summary
 from bastion.bench.records import read_records
 from bastion.bench.runner import Method, decode_batch, run_methods
 from bastion.compose import CONTROL, plan_methods
+from bastion.engine import Step
 from bastion.train.data import user_turn_prefix
 from tests.test_errors import ROOT, run_py
 
@@ -114,6 +116,20 @@ def test_second_turn_continues_with_the_models_own_answer(tiny_qwen3):
     assert records[0]["turns"] == 2 and records[0]["text"] == [" answer1", " answer2"]
 
 
+def test_records_carry_the_time_of_steps_that_compiled(tiny_qwen3):
+    """Steps during which torch.compile built a graph (engine.Step.compiled) are summed per batch,
+    every turn's, so the summary can say how much of a wall was compiling."""
+    def step(seconds, compiled):
+        return Step([0], [0], [1], [0.0], draft_s=0.0, verify_s=seconds, other_s=0.0, compiled=compiled)
+
+    class Compiling(Recording):
+        def generate(self, *args, **kwargs):
+            return dataclasses.replace(super().generate(*args, **kwargs), steps=(step(2.0, True), step(0.5, False)))
+
+    records = decode_batch(tiny_qwen3, Compiling("fake"), load_prompts("mt_bench", limit=1), "mt_bench", 4)
+    assert records[0]["compile_s"] == 4.0  # two turns, one compiling step of 2 s each
+
+
 def test_killed_run_resumes_without_losing_or_repeating_records(tmp_path):
     args = ["target=tiny_qwen3", "drafter=ngram", "budget=fixed", "budget.nodes=4", "bench.limit=12",
             "decode.max_new_tokens=24", "warmup=false", f"hydra.run.dir={tmp_path}"]
@@ -138,11 +154,12 @@ def test_killed_run_resumes_without_losing_or_repeating_records(tmp_path):
 
 def test_warm_up_decodes_the_first_batch_at_the_runs_batch_size(tiny_qwen3, tmp_path):
     """The untimed warm-up decodes the first batch itself, at the run's batch size, so that
-    every method's first timed batch runs shapes it has run before (a batch-1 warm-up did not)."""
+    every method's first timed batch runs shapes it has run before (a batch-1 warm-up did not),
+    and then its first row alone: rows leave a batch as they finish, down to one."""
     methods = [Recording("ar"), Recording("other")]
     run_methods(tiny_qwen3, methods, load_prompts("gsm8k", limit=5), "gsm8k", tmp_path, 4, batch_size=4)
     for method in methods:
-        assert [len(call) for call in method.calls] == [4, 4, 1]  # warm-up, then the batches
+        assert [len(call) for call in method.calls] == [4, 1, 4, 1]  # warm-ups, then the batches
 
 
 def test_a_shard_without_prompts_writes_nothing(tiny_qwen3, tmp_path):

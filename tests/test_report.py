@@ -188,6 +188,17 @@ def test_a_batch_of_prompts_with_different_turn_counts_counts_every_turn():
     assert summarize(records).set_index("method").loc[METHOD].speedup == pytest.approx(16 / 6)
 
 
+def test_compile_time_inside_timed_steps_is_noted():
+    """A step during which torch.compile built a graph is timed with it (a batch shrinking to a
+    shape not compiled before): the summary says how much, per batch once."""
+    records = timed_records({"ar": [10, 12], METHOD: [5, 8]}, per_batch=2).assign(compile_s=0.0)
+    records.loc[(records.method == "ar") & (records.batch_id == "gsm8k/2"), "compile_s"] = 3.5
+    summary = summarize(records).set_index("method")
+    assert summary.loc["ar"].note == "3.5 s of its timed steps compiled (torch.compile): its wall includes them"
+    assert "compiled" not in summary.loc[METHOD].note
+    assert "compiled" not in summarize(timed_records({"ar": [10, 12], METHOD: [5, 8]}, per_batch=2)).note.str.cat()  # older records
+
+
 def test_a_speedup_from_few_prompts_or_one_batch_is_noted():
     one_batch = summarize(timed_records({"ar": [10], METHOD: [5]}, per_batch=3)).set_index("method")
     assert one_batch.loc[METHOD].speedup == 2.0 and pd.isna(one_batch.loc[METHOD].speedup_lo)

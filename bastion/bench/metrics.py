@@ -93,6 +93,9 @@ def summarize(records: pd.DataFrame) -> pd.DataFrame:
         else:
             notes.append(f"speedup blank: {len(group) - len(shared)} of its {len(group)} prompts have no AR record, "
                          f"{len(baseline) - len(shared)} of AR's {len(baseline)} have none of its")
+        compiling = float(group.groupby("batch_id").compile_s.max().sum()) if "compile_s" in group else 0.0
+        if compiling:  # torch.compile built a graph inside a timed step: one-off time, counted in its wall
+            notes.append(f"{compiling:.1f} s of its timed steps compiled (torch.compile): its wall includes them")
         row["note"] = "; ".join(notes)
         rows.append(row)
     return pd.DataFrame(rows)

@@ -63,6 +63,8 @@ def run_methods(
                  for p in prompts[:batch_size]]
         for method in methods:
             method.generate(target, first, min(8, max_new_tokens), sampling, seed, stop)
+            if len(first) > 1:  # and one row, where a batch ends: compiled kernels (flex on CUDA) specialise a batch of 1
+                method.generate(target, first[:1], min(8, max_new_tokens), sampling, seed, stop)
     drop_cut_line(results)
     batches = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
     with open(results, "a") as sink, tqdm(total=len(batches) * len(methods), desc=bench, unit="batch", leave=False) as bar:
@@ -117,7 +119,7 @@ def decode_batch(target: Target, method: Method, batch: list[Prompt], bench: str
         {"method": method.name, "bench": bench, "prompt_id": p.id, "prompt_hash": prompt_hash(p),
          "fingerprint": fingerprint(method.settings), "batch_size": len(batch), "turns": len(p.turns),
          "temperature": sampling.temperature, "tree_mode": sampling.tree_mode,
-         "new_tokens": 0, "steps": 0, "prefill_s": 0.0, "batch_wall_s": 0.0, "tokens": [], "turn_tokens": [], "text": [],
+         "new_tokens": 0, "steps": 0, "prefill_s": 0.0, "batch_wall_s": 0.0, "compile_s": 0.0, "tokens": [], "turn_tokens": [], "text": [],
          "finish": [],
          "produced": [], "tree_sizes": [], "expected": [], "step_s": [], "verify_s": [], "predicted_verify_s": []}
         for p in batch
@@ -140,6 +142,7 @@ def decode_batch(target: Target, method: Method, batch: list[Prompt], bench: str
             rec["steps"] += gen.steps
             rec["prefill_s"] += decoding.prefill_s
             rec["batch_wall_s"] += decoding.wall_s
+            rec["compile_s"] += sum(step.draft_s + step.verify_s + step.other_s for step in decoding.steps if step.compiled)
             for step in decoding.steps:
                 if row in step.rows:
                     k = step.rows.index(row)
