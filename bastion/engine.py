@@ -268,12 +268,13 @@ def _draft_trees(m: _Method, proposal, contexts: list[int]):
 def _scores(m: _Method, batch: _Batch, hidden: torch.Tensor, depths: torch.Tensor, depth: int) -> torch.Tensor:
     """What verification reads of the forward's hidden states [B, M, h], the device's part of
     it: the target's choice after each node [B, M] (its argmax, without float32 logits, or the
-    argmax of keyed scores, a chunk of nodes at a time), or for sampled children the logits
-    [B, M, V]. `depth`: no node is deeper."""
+    argmax of keyed scores, a chunk of nodes at a time), or for sampled children the hidden
+    states themselves (verify_sampled makes logits where its descent goes). `depth`: no node
+    is deeper."""
     if m.sampling.greedy:
         return m.target.argmax(hidden)
     if not m.sampling.keyed:
-        return m.target.logits(hidden)
+        return hidden
     start = to_device([len(batch.decoding.generations[i].tokens) for i in batch.active], hidden.device)  # [B] output position after each root
     noise = m.sampling.noise(m.seed, m.keys[batch.active], start, depth + 1, m.target.args.vocab_size)  # [B, depth + 1, V]
 
@@ -289,7 +290,12 @@ def _verify(m: _Method, scores: torch.Tensor, trees: list[DraftTree], tokens: to
     with, or by rejection sampling of sampled children."""
     if m.sampling.keyed:  # greedy included
         return verify_greedy(scores, trees, tokens, depths, parents, depth)
-    return verify_sampled(scores, trees, m.sampling, m.generator, draft_probs, tokens, parents, depth)
+    rows = torch.arange(len(trees), device=scores.device)
+
+    def target_probs(node: torch.Tensor) -> torch.Tensor:  # [B] -> [B, V]: p after each row's node
+        return m.sampling.probs(m.target.logits(scores[rows, node]))
+
+    return verify_sampled(target_probs, trees, m.sampling, m.generator, draft_probs, tokens, parents, depth)
 
 
 def _first_tokens(logits: torch.Tensor, sampling: Sampling, seed: int, keys: torch.Tensor, generator) -> list[int]:

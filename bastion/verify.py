@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -48,7 +49,7 @@ def verify_greedy(choice: torch.Tensor, trees: list[DraftTree], tokens: torch.Te
 
 
 def verify_sampled(
-    logits: torch.Tensor,
+    target_probs: Callable[[torch.Tensor], torch.Tensor],
     trees: list[DraftTree],
     sampling: Sampling,
     generator: torch.Generator,
@@ -65,18 +66,20 @@ def verify_sampled(
     tried in order against the target's distribution p there: child x is accepted w.p.
     min(1, p(x)/q(x)); on rejection p <- norm(max(p - q, 0)) and q loses x. When every child
     is rejected the bonus token is drawn from what is left of p, so the output is distributed
-    exactly as AR sampling from p. `draft_probs` is None only for root-only trees (AR steps);
-    tokens, parents: [B, M], pack's (padding slots are roots); no node is deeper than `depth`.
+    exactly as AR sampling from p. `target_probs(node)` gives p after each row's node [B] as
+    [B, V]: the target's logits are made a level at a time, only where the descent is, not for
+    every node ([B, M, V] float32: 2.5 GB at B=16, M=257, 152k tokens). `draft_probs` is None
+    only for root-only trees (AR steps); tokens, parents: [B, M], pack's (padding slots are
+    roots); no node is deeper than `depth`.
 
     Every row descends at once on the device, a level and a child slot at a time ([B, V] ops,
     depth x most children rounds), and the paths come back in one transfer."""
-    target_probs = sampling.probs(logits)  # [B, M, V]
-    B, device = len(trees), target_probs.device
+    B, device = len(trees), tokens.device
     most = max((len(kids) for tree in trees for kids in tree.children), default=0)
     depth = min(depth, max(max(tree.depths) for tree in trees))  # levels below the deepest node only spend launches
     rows = torch.arange(B, device=device)
     node, live = torch.zeros(B, dtype=torch.long, device=device), torch.ones(B, dtype=torch.bool, device=device)
-    p, bonus, steps = target_probs[:, 0], torch.zeros(B, dtype=torch.long, device=device), []
+    p, bonus, steps = target_probs(node), torch.zeros(B, dtype=torch.long, device=device), []
     for level in range(depth + 1):
         chosen = torch.full((B,), -1, device=device)
         if most and level < depth:
@@ -101,7 +104,8 @@ def verify_sampled(
         live = live & (chosen >= 0)
         steps.append(torch.where(live, chosen, -1))
         node = torch.where(live, chosen, node)
-        p = torch.where(live[:, None], target_probs[rows, node], p)
+        if level < depth:  # the last level's p is never read
+            p = torch.where(live[:, None], target_probs(node), p)
     verdicts = []
     for tree, (*path, last) in zip(trees, torch.stack([*steps, bonus], 1).tolist()):  # [B, depth + 2]
         path = [0, *(n for n in path if n >= 0)]

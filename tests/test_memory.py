@@ -152,16 +152,16 @@ def test_a_plan_over_the_memory_names_its_largest_part():
     assert sdpa.total == sdpa.target_weights + sdpa.kv_cache + sdpa.transients["verify attention scores"]
     assert plan_memory(args, torch.float32, 16, 4096, 128, 256, "sdpa").transients["verify attention scores"] == \
         2 * 16 * 32 * 257 * keys * 4 + 2 * 16 * 32 * keys * 128 * 4  # float32: nothing to upcast
-    # flex builds no score matrix, but create_block_mask's temporaries span every query and key of a forward
+    # flex builds no score matrix; its block mask is two int32 index tables per (query block, key block) and the tree
     flex = plan_memory(args, torch.bfloat16, 16, 4096, 128, 1024, "flex").transients
-    assert flex["verify attention scores"] == 0 and flex["verify block mask"] == 16 * 1025 * (4096 + 128 + 1025) * 16
+    assert flex["verify attention scores"] == 0 and flex["verify block mask"] == 16 * (9 * 42 * 8 + 1025**2)
     # greedy verification takes the argmax 32 tokens at a time (2^26 logits), and so do keyed scores at T > 0 (with
-    # float32 logits and float64 temporaries); sampled children read every node's float32 logits and probabilities
+    # float32 logits and float64 temporaries); sampled children make one row's logits at a time, a level of the descent
     assert sdpa.transients["verify logits"] == 16 * 32 * 128256 * 2
     ranked = plan_memory(args, torch.bfloat16, 16, 4096, 128, 256, "sdpa", sampled=True)
     assert ranked.transients["verify logits"] == 16 * 32 * 128256 * (2 + 4 + 32)
     sampled = plan_memory(args, torch.bfloat16, 16, 4096, 128, 256, "sdpa", sampled=True, ranked=False)
-    assert sampled.transients["verify logits"] == 16 * 257 * 128256 * (2 + 4 + 4)
+    assert sampled.transients["verify logits"] == 16 * 128256 * (2 + 4 + 64)
 
 
 def run_py(tmp_path, *overrides):
@@ -182,11 +182,10 @@ def test_plan_prints_the_table_without_loading_anything(tmp_path):
 
 
 def test_a_run_too_big_for_the_gpu_is_refused_before_any_download(tmp_path):
-    result = run_py(tmp_path, "target=qwen3_8b", "gpu=a100", "decode.batch_size=16", "budget.max_nodes=4096", "decode.temperature=1.0",
-                    "decode.tree_mode=sampled")
+    result = run_py(tmp_path, "target=qwen3_8b", "gpu=a100", "decode.batch_size=16", "plan_context=16384")
     assert result.returncode == 2
     assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1, result.stderr
-    assert "largest part is the verify logits" in result.stderr and "lower budget.max_nodes" in result.stderr
+    assert "largest part is the KV cache" in result.stderr and "lower decode.batch_size, budget.max_nodes" in result.stderr
 
 
 def test_a_target_without_a_shape_cannot_be_planned():

@@ -186,17 +186,17 @@ def test_the_test_sees_a_two_percent_shift(tiny16):
     assert chi_square_p_value(expected_counts, joint) < 1e-3
 
 
-def argmax_verifier(logits, trees, sampling, generator, draft_probs, *packed):
+def argmax_verifier(target_probs, trees, sampling, generator, draft_probs, *packed):
     """The bug this suite must catch: drafts checked against the argmax, only the bonus sampled."""
-    probs = sampling.probs(logits)
     verdicts = []
     for b, tree in enumerate(trees):
         node, path, new = 0, [0], []
         while True:
-            best = int(probs[b, node].argmax())
+            p = target_probs(torch.full((len(trees),), node))[b]
+            best = int(p.argmax())
             child = next((c for c in tree.children[node] if tree.tokens[c] == best), None)
             if child is None:
-                new.append(torch.multinomial(probs[b, node], 1, generator=generator).item())
+                new.append(torch.multinomial(p, 1, generator=generator).item())
                 break
             new.append(best)
             path.append(child)

@@ -18,10 +18,11 @@ from pathlib import Path
 
 import torch
 
+from bastion.models.attention import FLEX_BLOCK
 from bastion.models.target import ARGMAX_CHUNK, cache_slots, token_bucket
 from bastion.models.transformer import ModelArgs
 
-BLOCK_MASK_BYTES = 16  # per query x key of a flex forward: what create_block_mask holds at once (experiments/NOTES.md)
+BLOCK_MASK_BYTES = 8  # per (query block, key block) of a flex forward: Layout's block mask, two int32 index tables
 HEADROOM = 0.9  # the share of device memory a plan may fill; the rest is for what it leaves out
 GB = 1e9
 
@@ -123,8 +124,8 @@ def plan_memory(args: ModelArgs, dtype: torch.dtype, batch: int, context: int, m
     `drafter_kv_width`: the keys and values a drafter caches per row and slot (2 x its layers x
     KV heads x head_dim), over the target cache's slots;
     `sampled`: temperature > 0, where `ranked` children (decode.tree_mode) are verified by keyed
-    scores a chunk of tokens at a time and sampled children read every node's float32 logits
-    and probabilities (greedy verification takes Target.argmax's chunks of the logits alone);
+    scores a chunk of tokens at a time and sampled children by one row's logits at a time, a
+    level of the descent (greedy verification takes Target.argmax's chunks of the logits alone);
     `compiled`: decode.compile, whose forwards run their token count's bucket (Target.padded)."""
     B, L, V, I = batch, args.n_layers, args.vocab_size, args.intermediate_size
     size = dtype.itemsize
@@ -136,16 +137,17 @@ def plan_memory(args: ModelArgs, dtype: torch.dtype, batch: int, context: int, m
     upcast = 4 if size < 4 else 0  # Target.logits' float32 copy of a narrower lm_head output
     if sampled and ranked:  # a chunk's logits, and at most 32 B of sampling.scores' float64 temporaries
         logit_tokens, logit_size, what = chunk, size + upcast + 32, "keyed scores a chunk of tokens at a time"
-    elif sampled:  # every node's logits and the float32 probabilities verify_sampled reads
-        logit_tokens, logit_size, what = n, size + upcast + 4, "lm_head output, float32 logits and probabilities"
+    elif sampled:  # a level's logits, and verify_sampled's [B, V] temporaries (p, q, residuals, top-p's sort: <= 16 words)
+        logit_tokens, logit_size, what = 1, size + upcast + 64, "a level of sampled verification at a time"
     else:  # the argmax a chunk at a time, in the model's dtype
         logit_tokens, logit_size, what = chunk, size, "greedy: the argmax a chunk of tokens at a time"
     score_matrix = kernel == "sdpa" and cuda  # SDPA with a tree mask runs the math backend on CUDA; flex and triton build none
     scores, scores_how = math_attention(args, B, n_forward, capacity, size)
+    blocks = -(-n_forward // FLEX_BLOCK) * -(-capacity // FLEX_BLOCK)  # flex's (query block, key block) pairs per row
     transients = {
         "verify logits": B * logit_tokens * V * logit_size,
         "verify attention scores": scores if score_matrix else 0,
-        "verify block mask": B * n_forward * capacity * BLOCK_MASK_BYTES if kernel == "flex" and cuda else 0,
+        "verify block mask": B * (blocks * BLOCK_MASK_BYTES + n_forward**2) if kernel == "flex" and cuda else 0,
         "verify MLP": 3 * B * n_forward * I * size,
         "prefill MLP": 3 * B * context * I * size,  # worst case: every row in one chunk; causal SDPA is flash, no scores
         "prefill features": 3 * captured_layers * B * context * args.hidden_size * size,
@@ -159,8 +161,8 @@ def plan_memory(args: ModelArgs, dtype: torch.dtype, batch: int, context: int, m
         "verify logits": f"{B} rows x {logit_tokens} tokens x {V} vocab x {logit_size} B ({what})",
         "verify attention scores": (scores_how if score_matrix else f"none: {kernel} builds no score matrix" if cuda
                                     else f"not counted: {kernel} on a CPU"),
-        "verify block mask": (f"{B} rows x {n_forward} x {capacity} keys x {BLOCK_MASK_BYTES} B (create_block_mask's dense "
-                              f"temporaries, before the layers run)" if kernel == "flex" and cuda else "none: not flex on CUDA"),
+        "verify block mask": (f"{B} rows x ({blocks} query x key blocks x {BLOCK_MASK_BYTES} B of index tables + the tree's "
+                              f"{n_forward}^2 B, contiguous)" if kernel == "flex" and cuda else "none: not flex on CUDA"),
         "verify MLP": f"3 x {B} rows x {n_forward} tokens x {I} x {size} B (gate, up, their product)",
         "prefill MLP": f"3 x {B} rows x {context} tokens x {I} x {size} B (one chunk of every row)",
         "prefill features": (f"3 x {captured_layers} layers x {B} rows x {context} tokens x {args.hidden_size} x {size} B (the "
