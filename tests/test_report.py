@@ -114,6 +114,16 @@ def test_torchrun_shards_of_a_run_are_one_run(tmp_path):
     assert ROW in (tmp_path / "report.md").read_text()
 
 
+def test_a_prompt_decoded_again_after_an_edit_counts_once(tmp_path):
+    """A run resumed after a prompt's text changed decodes it again (a new prompt hash) beside
+    its old records: the report, like the run's summary, reads the last."""
+    lines = open(write_run(tmp_path) / "results.jsonl").readlines()
+    with open(tmp_path / "results.jsonl", "a") as f:
+        f.writelines(line for line in lines if '"prompt_id": "gsm8k/0"' in line)
+    write_report([tmp_path])
+    assert ROW in (tmp_path / "report.md").read_text()
+
+
 def test_batch_sizes_get_their_own_tables_and_a_batch_plot(tmp_path):
     write_run(tmp_path / "0")
     write_run(tmp_path / "1", {"ar": {"gsm8k": (6.0, 60, 1, 0)}, METHOD: {"gsm8k": (4.0, 20, 3, 8)}}, batch_size=2)

@@ -79,7 +79,8 @@ def load(dirs: list[Path]) -> tuple[pd.DataFrame, pd.DataFrame]:
     run is the largest batch it decoded."""
     summaries, steps = [], []
     for run_dir in find_runs(dirs):
-        records = pd.DataFrame(run_records(run_dir))
+        records = pd.DataFrame(run_records(run_dir))  # a prompt edited since its records: the last one, as the run's summary
+        records = records.drop_duplicates(["method", "bench", "prompt_id"], keep="last")
         summary = with_recomputed_oracles(summarize(records), run_dir / "summary.csv")
         summaries.append(summary.assign(batch_size=int(records.batch_size.max())))
         steps.append(step_table(records))
