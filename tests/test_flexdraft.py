@@ -224,6 +224,10 @@ def test_auto_calibration_races_the_two_heads():
         drafter._score_race(DraftContext([[1, 2, 3, 5, 6, 8]], None, [1]))
         assert drafter.mlp_wins == wins and drafter._race is None
     assert not drafter.uses_mlp()
+    drafter.mlp_wins = [0, 1]  # rows of a batch, one short of the group: each scored on its own
+    drafter._lengths, drafter._race = [3, 2], (torch.tensor([[5, 6, 7], [4, 4, 4]]), torch.tensor([[9, 9, 9], [4, 4, 0]]))
+    drafter._score_race(DraftContext([[1, 2, 3, 5, 6, 8], [1, 2, 4, 4]], None, [1, 1]))
+    assert drafter.mlp_wins == [1, 1]  # row 0: plain reached 2, the MLP 0; row 1: both reached 2 (all it produced)
     drafter.calibration_mode = "on"
     assert drafter.uses_mlp()
 

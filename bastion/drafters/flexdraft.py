@@ -38,7 +38,7 @@ from bastion.models.kv_cache import KVCache
 from bastion.models.target import Target
 from bastion.models.transfer import to_device
 from bastion.tree.draft_tree import DraftTree
-from bastion.tree.proposal import BlockProposal, matched_prefix, top_candidates
+from bastion.tree.proposal import BlockProposal, top_candidates
 
 CALIBRATION = ("on", "off", "auto")
 SELECTIONS = ("min_confidence", "cumulative_product")
@@ -148,9 +148,11 @@ class FlexDraftDrafter(nn.Module, DraftVocabulary, Drafter):
         matches further wins, ties teach nothing."""
         if self._race is None:
             return
-        for b, (seq, n) in enumerate(zip(ctx.sequences, self._lengths)):
-            truth = to_device(seq[n:], self._race[0].device)
-            plain, with_mlp = (matched_prefix(drafts[b], truth) for drafts in self._race)
+        width = self._race[0].shape[1]  # every row at once: one send, one read
+        rows = [seq[n : n + width] for seq, n in zip(ctx.sequences, self._lengths)]
+        truth = to_device([row + [-1] * (width - len(row)) for row in rows], self._race[0].device)  # [B, G-1]; -1: nothing yet
+        matched = torch.stack([(drafts == truth).int().cumprod(1).sum(1) for drafts in self._race])  # [2, B]
+        for plain, with_mlp in zip(*matched.tolist()):
             if plain != with_mlp:
                 self.mlp_wins[with_mlp > plain] += 1
         self._lengths = self._race = None
