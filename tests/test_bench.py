@@ -130,6 +130,15 @@ def test_records_carry_the_time_of_steps_that_compiled(tiny_qwen3):
     assert records[0]["compile_s"] == 4.0  # two turns, one compiling step of 2 s each
 
 
+def test_time_to_first_token_is_the_first_turns_prefill(tiny_qwen3):
+    class Prefilling(Recording):
+        def generate(self, *args, **kwargs):
+            return dataclasses.replace(super().generate(*args, **kwargs), prefill_s=0.25 * (1 + len(self.calls)))
+
+    (record,) = decode_batch(tiny_qwen3, Prefilling("fake"), load_prompts("mt_bench", limit=1), "mt_bench", 4)
+    assert record["ttft_s"] == 0.5 and record["prefill_s"] == 0.5 + 0.75
+
+
 def test_killed_run_resumes_without_losing_or_repeating_records(tmp_path):
     args = ["target=tiny_qwen3", "drafter=ngram", "budget=fixed", "budget.nodes=4", "bench.limit=12",
             "decode.max_new_tokens=24", "warmup=false", f"hydra.run.dir={tmp_path}"]

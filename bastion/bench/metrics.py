@@ -68,7 +68,7 @@ def summarize(records: pd.DataFrame) -> pd.DataFrame:
             "aal": (new_tokens - int(group.turns.sum())) / steps if steps else float("nan"),
             "tokens_per_s": new_tokens / wall if wall else float("nan"),
             "tpot_ms": 1000 * wall / new_tokens if new_tokens else float("nan"),
-            "ttft_ms": 1000 * float(group.prefill_s.mean()),
+            "ttft_ms": 1000 * float(group["ttft_s" if "ttft_s" in group else "prefill_s"].mean()),  # records before ttft_s: every turn's
             "speedup": float("nan"),
             "speedup_lo": float("nan"),
             "speedup_hi": float("nan"),

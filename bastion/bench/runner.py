@@ -141,6 +141,7 @@ def decode_batch(target: Target, method: Method, batch: list[Prompt], bench: str
             rec["new_tokens"] += len(gen.tokens)
             rec["steps"] += gen.steps
             rec["prefill_s"] += decoding.prefill_s
+            rec.setdefault("ttft_s", decoding.prefill_s)  # the first turn's: its first token comes with its prefill
             rec["batch_wall_s"] += decoding.wall_s
             rec["compile_s"] += sum(step.draft_s + step.verify_s + step.other_s for step in decoding.steps if step.compiled)
             for step in decoding.steps:
