@@ -268,6 +268,8 @@ def test_drafting_stops_while_no_tree_beats_ar_and_is_retried():
     budget.observe(measured(0.1, accepted=1.0, a_hat=0.1, draft_s=0.003), [300], 9)  # the step it judged, measured after
     first = budget.stretch.left
     assert first >= 8 and [budget.drafts() for _ in range(first)] == [False] * (first - 1) + [True]  # the last one retries
+    measured_cost = 0.1 / float(budget.predict(1, [300]))  # its retry priced by the drafted step measured, not the forecast
+    assert first == max(8, math.ceil((measured_cost - 1) / budget.stretch.waste - 1e-9))
 
     def retry(seconds):  # drafted steps of 2 tokens: the step whose measurement starts a stretch
         for n in range(budget.recent.EVIDENCE + 2):

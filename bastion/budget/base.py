@@ -73,8 +73,13 @@ class Budget:
             width = 1 + max(tree.n_nodes for tree in trees)
             cost = (self.draft_s(contexts) + float(self.predict(width, contexts)) + self.recent.other_s) / ar_s
             tokens = 1 + sum(tree.expected_accepted() for tree in trees) / len(trees)  # the drafter's belief
-            self.judge_forecast(tokens / cost, self.recent.quickest_s / ar_s if self.recent.drafted else cost)
+            self.judge_forecast(tokens / cost, self.retry_cost(cost, contexts))
         return trees
+
+    def retry_cost(self, forecast: float, contexts: list[int]) -> float:
+        """What a retry after an AR stretch costs, in AR steps (stretch.py): the quickest recent
+        drafted step's, or before one ran the `forecast`."""
+        return self.recent.quickest_s / self.ar_step_s(contexts) if self.recent.drafted else forecast
 
     def draft_s(self, contexts: list[int]) -> float:
         """A step's drafting time: the recent drafted steps' median; before any, the latency

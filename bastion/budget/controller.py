@@ -83,7 +83,7 @@ class BastionBudget(Budget):
         counts, verify, cost, speedup = self.curve(trees, contexts)
         best = 1 + int(np.argmax(speedup[1:])) if len(speedup) > 1 else 0  # the best tree with a draft node
         # while exploring, forecasts are off: only realised throughput judges
-        self.judge_forecast(None if self.exploring else float(speedup[best]), float(cost[best]))
+        self.judge_forecast(None if self.exploring else float(speedup[best]), self.retry_cost(float(cost[best]), contexts))
         if self.exploring:
             factor = self.EXPLORE[self._explored % len(self.EXPLORE)]
             self._explored += 1
