@@ -103,10 +103,11 @@ def resolve_device(device: str) -> str:
 
 def fast_bfloat16(device: str) -> bool:
     """Whether bfloat16 matmuls beat float32 ones on `device`: on CUDA, and on CPUs with AMX
-    tiles. On CPUs without AMX oneDNN's bfloat16 path is slower than float32 (experiments/NOTES.md)."""
+    tiles or AVX512-BF16 instructions. On CPUs with neither oneDNN's bfloat16 path is slower
+    than float32 (experiments/NOTES.md)."""
     if device.startswith("cuda"):
         return torch.cuda.is_bf16_supported()
-    return torch.backends.mkldnn.is_available() and torch.cpu._is_amx_tile_supported()
+    return torch.backends.mkldnn.is_available() and (torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported())
 
 
 def resolve_bfloat16(choice, device: str) -> bool:

@@ -218,6 +218,15 @@ def test_weight_decay_shrinks_weights_by_lr_times_decay_per_step(tmp_path):
     torch.testing.assert_close(layer.weight.detach(), before * (1 - 0.1 * 0.5))
 
 
+@pytest.mark.parametrize("amx,avx512_bf16,fast", [(True, False, True), (False, True, True), (False, False, False)])
+def test_bfloat16_is_chosen_on_cpus_with_amx_or_avx512_bf16(monkeypatch, amx, avx512_bf16, fast):
+    """Zen 4/5's AVX512-BF16 runs oneDNN's bfloat16 matmuls ~4.5x float32 (2-core Zen 5, NOTES), as AMX does;
+    CPUs with neither run them slower than float32."""
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    assert fast_bfloat16("cpu") == fast
+
+
 def test_autocast_runs_forwards_in_bfloat16_and_keeps_float32_weights(tmp_path):
     layer = torch.nn.Linear(3, 3)
     seen = []
