@@ -13,7 +13,7 @@ import torch
 
 import bastion.budget.latency
 from bastion.budget.controller import BastionBudget, merge_best_first
-from bastion.budget.hardware import HardwareProfile, profile_from_config
+from bastion.budget.hardware import HardwareProfile, cpu_model, profile_from_config
 from bastion.budget.latency import SIZE_POINTS, ForwardCost, LatencyModel, calibrated, probe, probe_problem
 from bastion.budget.stretch import ARStretch
 from bastion.models.transformer import ModelArgs
@@ -339,6 +339,19 @@ def test_an_ar_step_is_measured_before_drafting_stops_on_a_forecast_of_one():
     assert not stops(0.120) and stops(0.090)
 
 
+def test_an_ar_step_is_measured_before_drafting_goes_on_by_the_probes_price():
+    """Drafted steps of 3 tokens in 200 ms pay 1.3x by the probe's AR step (~85 ms), so they
+    would draft on; one AR step is measured first, and at 60 ms drafting stops."""
+    budget = controller(TRUE_CPU)
+    drafted = measured(float(budget.predict(8, [300])), accepted=2.0, draft_s=0.075)  # 125 + 75 ms
+    for _ in range(budget.recent.EVIDENCE):
+        budget.observe(drafted, [300], 8)
+    assert [budget.drafts(), budget.drafts()] == [False, True]  # one AR step, then drafting
+    budget.observe(measured(0.060, nodes=0), [300], 1)
+    budget.observe(drafted, [300], 8)
+    assert budget.stretch.left > 0  # 3 tokens in 200 ms against 60 ms AR steps: 0.9x
+
+
 def test_a_burst_of_load_does_not_lengthen_the_stretch():
     """Drafted steps that a burst of load slowed tenfold (every other one) judge that drafting
     does not pay, yet the stretch is sized by what a retry costs on the quiet machine: 8 steps,
@@ -465,6 +478,18 @@ def test_a_cached_fit_serves_only_its_machine_and_profile(tiny_qwen3, monkeypatc
     monkeypatch.setattr(bastion.budget.latency, "device_name", lambda device: "Another CPU")
     calibrated(tiny_qwen3, cpu, tmp_path)
     assert len(calls) == 3 and len(list((tmp_path / "latency").glob("*.json"))) == 3
+
+
+def test_a_cpu_is_known_by_its_family_and_model_too():
+    """A cloud CPU may be named "AMD EPYC" whatever its generation: a Zen 3 and a Zen 5 (3x apart
+    here) must not share a latency fit or a run dir."""
+    def cpuinfo(family, model):
+        core = f"processor\t: {{}}\nvendor_id\t: AuthenticAMD\ncpu family\t: {family}\nmodel\t\t: {model}\nmodel name\t: AMD EPYC\n"
+        return "\n".join(core.format(i) for i in range(2))  # processors one after another, a blank line apart
+
+    assert cpu_model(cpuinfo(25, 1)) == "AMD EPYC (family 25, model 1)"
+    assert cpu_model(cpuinfo(26, 2)) == "AMD EPYC (family 26, model 2)"
+    assert cpu_model("model name\t: Some CPU\n") == "Some CPU" and cpu_model("") == ""
 
 
 def test_a_gpu_profile_on_the_cpu_warns():

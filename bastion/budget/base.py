@@ -122,16 +122,18 @@ class Budget:
         vary several-fold, and one unlucky retry would double a stretch where drafting pays,
         while a drafter that never pays varies little and is still stopped by its first. Before
         any AR step is measured an AR step is priced by the probe, taken at another moment
-        of a machine whose pace drifts, so one AR step is measured before drafting stops."""
+        of a machine whose pace drifts and without a decode step's host work, so one AR step
+        is measured before any verdict, either way (a FlexDraft that lost 14% to AR on MT-Bench
+        drafted every step, paying by the probe's price)."""
         ar_s = self.ar_step_s(contexts)
         realised = self.recent.speedup(ar_s)
         if realised is None:
             return
-        if realised >= 1:
+        if not self.recent.ar_s:  # an AR step's time is still the latency model's (a probe's pace): measure one
+            self.stretch.measure_ar()
+        elif realised >= 1:
             if self.recent.settled:
                 self.stretch.paid()
-        elif not self.recent.ar_s:  # an AR step's time is still the latency model's (a probe's pace)
-            self.stretch.measure_ar()
         elif self.recent.settled or self.recent.speedup(ar_s, doubt=1.0) < 1:
             self.stretch.failed(retry_cost=self.recent.quickest_s / ar_s)
             self.recent.restart()

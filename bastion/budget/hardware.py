@@ -34,13 +34,22 @@ class HardwareProfile:
 
 
 def device_name(device: str) -> str:
-    """The CUDA device's name, or the CPU's model name (/proc/cpuinfo on Linux)."""
+    """The CUDA device's name, or the CPU's model (/proc/cpuinfo on Linux)."""
     if device.startswith("cuda"):
         return torch.cuda.get_device_name(torch.device(device))
     cpuinfo = Path("/proc/cpuinfo")
-    lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
-    model = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "")
-    return model or platform.processor() or platform.machine()
+    return cpu_model(cpuinfo.read_text() if cpuinfo.exists() else "") or platform.processor() or platform.machine()
+
+
+def cpu_model(cpuinfo: str) -> str:
+    """The first CPU's model name with its family and model numbers: a cloud machine's model
+    name may be "AMD EPYC" alone, for a Zen 3 and a Zen 5 (3x apart) alike."""
+    fields = dict(line.split(":", 1) for line in cpuinfo.split("\n\n")[0].splitlines() if ":" in line)
+    fields = {key.strip(): value.strip() for key, value in fields.items()}
+    name = fields.get("model name", "")
+    if name and "cpu family" in fields and "model" in fields:
+        return f"{name} (family {fields['cpu family']}, model {fields['model']})"
+    return name
 
 
 def known_profiles(directory: Path) -> list[dict]:
