@@ -123,8 +123,8 @@ class Budget:
         while a drafter that never pays varies little and is still stopped by its first. Before
         any AR step is measured an AR step is priced by the probe, taken at another moment
         of a machine whose pace drifts and without a decode step's host work, so one AR step
-        is measured before any verdict, either way (a FlexDraft that lost 14% to AR on MT-Bench
-        drafted every step, paying by the probe's price)."""
+        is measured before any verdict, either way: priced by the probe alone, a drafter that
+        loses to AR can look as if it paid and draft every step (experiments/NOTES.md)."""
         ar_s = self.ar_step_s(contexts)
         realised = self.recent.speedup(ar_s)
         if realised is None:
