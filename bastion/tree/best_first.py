@@ -49,8 +49,8 @@ def best_first(proposal: BlockProposal | TreeProposal, max_nodes: int) -> list[D
     for depth in range(K):
         slot, rank = _contenders(beam.shape[1], k, max_nodes)  # [C] each
         children = beam[:, slot] + logprobs[:, depth, rank]  # [B, C]
-        floor = best.min(1, keepdims=True) if best.shape[1] == max_nodes else LEAST
-        width = min(max_nodes, int((children >= np.maximum(floor, LEAST)).sum(1).max()))  # children that can still make it
+        floor = np.maximum(best.min(1, keepdims=True), LEAST) if best.shape[1] == max_nodes else LEAST
+        width = min(max_nodes, int((children >= floor).sum(1).max()))  # children that can still make it
         if width == 0:
             break
         top = ranked(children, width)  # [B, width]: the beam of this depth, best first
