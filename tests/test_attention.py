@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bastion.models.attention import Layout, attend, choose_kernel, flex_options
+from bastion.models.attention import Layout, attend, choose_kernel, flex_options, matmul_attention
 
 
 def random_tree_masks(B: int, N: int, generator: torch.Generator) -> torch.Tensor:
@@ -64,6 +64,24 @@ def reference(q, k, v, layout):
 def test_sdpa_equals_the_reference(shape):
     q, k, v, layout = case(**shape)
     assert torch.allclose(attend(q, k, v, layout), reference(q, k, v, layout), atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [dict(), dict(Hkv=4), dict(tree=False), dict(N=1, prefix=(3, 9, 1))])
+def test_short_half_precision_queries_on_cpu_equal_the_reference(shape, dtype):
+    """bfloat16/float16 decode and verify steps take the matmul path on a CPU (MATMUL_QUERIES)."""
+    q, k, v, layout = case(**shape, dtype=dtype)
+    assert torch.allclose(attend(q, k, v, layout).float(), reference(q, k, v, layout), atol=2e-2)
+
+
+def test_matmul_attention_gives_zeros_where_a_query_sees_nothing_as_sdpa_does():
+    q, k, v, layout = case(dtype=torch.bfloat16)
+    mask = layout.dense().clone()
+    mask[1, 0, 2] = False
+    out = matmul_attention(q, k, v, mask)
+    assert torch.equal(out[1, :, 2], torch.zeros_like(out[1, :, 2]))
+    expected = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, enable_gqa=True)
+    assert torch.allclose(out.float(), expected.nan_to_num(0.0), atol=2e-2)
 
 
 LONG = [dict(N=150, prefix=(0, 300, 127)),  # two query blocks; full key blocks; trees across block edges

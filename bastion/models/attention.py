@@ -27,7 +27,8 @@ from bastion.models.dynamo import allow_recompiles
 
 KERNELS = ("sdpa", "flex", "triton")
 FLEX_BLOCK = 128  # FlexAttention's block of queries and of keys (its default)
-FLEX_DECODE_ROWS = 128  # query rows (N x query heads per KV head) inductor's flex decoding kernel fits in a block
+FLEX_DECODE_ROWS = 128
+MATMUL_QUERIES = 32  # longest query that sdpa() runs as matmuls in bfloat16/float16 on a CPU (at 64 the flash kernel wins)  # query rows (N x query heads per KV head) inductor's flex decoding kernel fits in a block
 
 
 def choose_kernel(name: str, device: torch.device | str) -> str:
@@ -107,7 +108,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Layout | tor
     (True = may attend) -> [B, N, H*D]."""
     gqa = q.shape[1] != k.shape[1]
     if isinstance(mask, torch.Tensor):
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        out = sdpa(q, k, v, mask)
     elif mask.causal_only:  # a prompt's first chunk, whatever the kernel: flash on GPUs, GQA included
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     elif mask.kernel == "flex":
@@ -118,9 +119,31 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Layout | tor
 
         out = tree_attention(q, k, v, mask.prefix, mask.tree)
     else:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense(), enable_gqa=gqa)
+        out = sdpa(q, k, v, mask.dense())
     B, H, N, D = out.shape
     return out.transpose(1, 2).reshape(B, N, H * D)
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """SDPA under a dense [B, 1, N, S] bool mask -> [B, H, N, D]. On a CPU, a short bfloat16 or
+    float16 query (a decode or verify step) runs as two batched matmuls instead: PyTorch's CPU
+    flash kernel takes ~15x longer there (B=48 AR steps of SmolLM2, the self-distillation data's
+    shape; experiments/NOTES.md), and matmuls are what AVX512-BF16 and AMX speed up."""
+    if q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16) and q.shape[2] <= MATMUL_QUERIES:
+        return matmul_attention(q, k, v, mask)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """SDPA's result by matmuls, softmax in float32; the query heads that share a KV head are
+    stacked as one matmul's rows, so K/V are never repeated. A query that may attend nowhere
+    gets zeros, as SDPA's CPU kernel gives. q: [B, H, N, D], k/v: [B, Hkv, S, D] -> [B, H, N, D]."""
+    B, H, N, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    scores = (q.reshape(B, Hkv, H // Hkv * N, D) @ k.transpose(-1, -2)).float().mul_(D**-0.5)
+    scores = scores.view(B, Hkv, H // Hkv, N, S).masked_fill_(~mask[:, :, None], float("-inf"))
+    probs = scores.softmax(-1).nan_to_num_(0.0).to(q.dtype).view(B, Hkv, H // Hkv * N, S)
+    return (probs @ v).view(B, H, N, D)
 
 
 def flex_options(device_type: str, rows: int) -> dict | None:
