@@ -103,12 +103,27 @@ class Layout:
             BLOCK_SIZE=FLEX_BLOCK, mask_mod=visible, seq_lengths=(N, S), compute_q_blocks=False)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Layout | torch.Tensor) -> torch.Tensor:
-    """q: [B, H, N, D], k/v: [B, Hkv, S, D]; mask: a Layout, or a dense [B, 1, N, S] bool mask
-    (True = may attend) -> [B, N, H*D]."""
+@dataclass(frozen=True)
+class Groups:
+    """Training FlexDraft's layout: M groups of G mask tokens (the queries, group by group)
+    after a sequence of S clean tokens (key slots 0..S-1; the groups' own keys follow, in the
+    same order). A group sees the clean tokens before its anchor and, bidirectionally, itself.
+    As a dense mask most of it would say that groups do not see each other: [M*G, M*G] of
+    [M*G, S + M*G] bits, the attention's cost growing with anchors squared."""
+
+    anchors: torch.Tensor  # [B, M] long: clean tokens each group sees
+    size: int  # G
+    n_clean: int  # S
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Layout | Groups | torch.Tensor) -> torch.Tensor:
+    """q: [B, H, N, D], k/v: [B, Hkv, S, D]; mask: a Layout, Groups, or a dense [B, 1, N, S] bool
+    mask (True = may attend) -> [B, N, H*D]."""
     gqa = q.shape[1] != k.shape[1]
     if isinstance(mask, torch.Tensor):
         out = sdpa(q, k, v, mask)
+    elif isinstance(mask, Groups):
+        out = group_attention(q, k, v, mask)
     elif mask.causal_only:  # a prompt's first chunk, whatever the kernel: flash on GPUs, GQA included
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     elif mask.kernel == "flex":
@@ -142,8 +157,25 @@ def matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     Hkv, S = k.shape[1], k.shape[2]
     scores = (q.reshape(B, Hkv, H // Hkv * N, D) @ k.transpose(-1, -2)).float().mul_(D**-0.5)
     scores = scores.view(B, Hkv, H // Hkv, N, S).masked_fill_(~mask[:, :, None], float("-inf"))
-    probs = scores.softmax(-1).nan_to_num_(0.0).to(q.dtype).view(B, Hkv, H // Hkv * N, S)
+    probs = scores.softmax(-1).nan_to_num(0.0).to(q.dtype).view(B, Hkv, H // Hkv * N, S)  # (out of place: autograd keeps the softmax)
     return (probs @ v).view(B, H, N, D)
+
+
+def group_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: Groups) -> torch.Tensor:
+    """Attention under `groups` by matmuls: each query against the clean keys and its own
+    group's G keys only, one softmax (float32) over both. q: [B, H, M*G, D], k/v: [B, Hkv,
+    S + M*G, D] -> [B, H, M*G, D]."""
+    B, H, N, D = q.shape
+    Hkv, S, (M, G) = k.shape[1], groups.n_clean, (groups.anchors.shape[1], groups.size)
+    q = q.reshape(B, Hkv, H // Hkv, M, G, D)
+    own_k, own_v = (t[:, :, S:].reshape(B, Hkv, 1, M, G, D) for t in (k, v))
+    clean = q.flatten(2, 4) @ k[:, :, :S].transpose(-1, -2)  # [B, Hkv, H/Hkv * M * G, S]
+    visible = torch.arange(S, device=q.device) < groups.anchors[:, :, None]  # [B, M, S]
+    clean = clean.view(B, Hkv, H // Hkv, M, G, S).masked_fill(~visible[:, None, None, :, None], float("-inf"))
+    scores = torch.cat([clean, q @ own_k.transpose(-1, -2)], -1).float().mul_(D**-0.5)  # [..., M, G, S + G]
+    probs = scores.softmax(-1).to(v.dtype)
+    out = probs[..., :S].flatten(2, 4) @ v[:, :, :S] + (probs[..., S:] @ own_v).flatten(2, 4)
+    return out.view(B, H, N, D)
 
 
 def flex_options(device_type: str, rows: int) -> dict | None:
