@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bastion.models.attention import Layout, attend, choose_kernel, flex_options, matmul_attention
+from bastion.models.attention import Groups, Layout, attend, choose_kernel, flex_options, matmul_attention
 
 
 def random_tree_masks(B: int, N: int, generator: torch.Generator) -> torch.Tensor:
@@ -82,6 +82,22 @@ def test_matmul_attention_gives_zeros_where_a_query_sees_nothing_as_sdpa_does():
     assert torch.equal(out[1, :, 2], torch.zeros_like(out[1, :, 2]))
     expected = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, enable_gqa=True)
     assert torch.allclose(out.float(), expected.nan_to_num(0.0), atol=2e-2)
+
+
+@pytest.mark.parametrize("Hkv", [2, 4])
+def test_group_attention_equals_sdpa_under_its_dense_mask(Hkv):
+    """Training FlexDraft's groups: each sees the clean tokens before its anchor and itself."""
+    g = torch.Generator().manual_seed(0)
+    B, H, M, G, S, D = 2, 4, 5, 3, 11, 8
+    anchors = torch.randint(0, S + 1, (B, M), generator=g)
+    q = torch.randn(B, H, M * G, D, generator=g)
+    k, v = (torch.randn(B, Hkv, S + M * G, D, generator=g) for _ in range(2))
+    group = torch.arange(M * G) // G
+    dense = torch.cat([torch.arange(S) < anchors.repeat_interleave(G, 1)[:, :, None],
+                       (group[:, None] == group[None, :]).expand(B, -1, -1)], -1)[:, None]
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=dense, enable_gqa=True)
+    out = attend(q, k, v, Groups(anchors, G, S))
+    assert torch.allclose(out, expected.transpose(1, 2).reshape(B, M * G, H * D), atol=1e-5)
 
 
 LONG = [dict(N=150, prefix=(0, 300, 127)),  # two query blocks; full key blocks; trees across block edges

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from bastion.drafters.flexdraft import FlexDraftDrafter
+from bastion.models.attention import Groups
 from bastion.train.examples import Example, chain_walk, fixed_batches, sample_anchors
 from bastion.train.loop import train_loop
 
@@ -34,10 +35,7 @@ def group_hidden(drafter: FlexDraftDrafter, tokens: torch.Tensor, anchors: torch
         cache = target.new_cache(B, S)
         write_pos, layout = cache.prepare(S)
         target.model(tokens, write_pos, layout, cache, write_pos)
-    block = torch.arange(M * G) // G
-    sees_clean = torch.arange(S)[None, None, :] < anchors.repeat_interleave(G, dim=1)[:, :, None]
-    sees_group = (block[:, None] == block[None, :]).expand(B, M * G, M * G)
-    attn_mask = torch.cat([sees_clean, sees_group], dim=-1)[:, None]
+    attn_mask = Groups(anchors, G, S)
     positions = (anchors[:, :, None] + torch.arange(G)).view(B, M * G)
     x, is_mask = drafter.group_inputs(tokens.gather(1, anchors))  # [B, M, G, h]: the bonus is the anchor's token
     x, is_mask = x.flatten(1, 2), None if is_mask is None else is_mask.flatten(1, 2)
