@@ -90,7 +90,7 @@ class FlexDraftDrafter(nn.Module, DraftVocabulary, Drafter):
     def run_layers(self, x, positions, mask, is_mask, extend_kv, layers: range | None = None):
         """Target layers over clean and mask tokens together. x: [B, N, h]; is_mask: [B, N, 1]
         (None: every token is a mask, and the target's own projections are not computed);
-        mask: a Layout or a dense [B, 1, N, S] mask (models/attention.py); extend_kv(layer) -> the K/V extender of that layer. `layers`: a
+        mask: a Layout, training's Groups or a dense [B, 1, N, S] mask (models/attention.py); extend_kv(layer) -> the K/V extender of that layer. `layers`: a
         range of them (all by default); the final norm follows the last."""
         model = self.target.model
         layers = range(len(model.layers)) if layers is None else layers

@@ -27,8 +27,8 @@ from bastion.models.dynamo import allow_recompiles
 
 KERNELS = ("sdpa", "flex", "triton")
 FLEX_BLOCK = 128  # FlexAttention's block of queries and of keys (its default)
-FLEX_DECODE_ROWS = 128
-MATMUL_QUERIES = 32  # longest query that sdpa() runs as matmuls in bfloat16/float16 on a CPU (at 64 the flash kernel wins)  # query rows (N x query heads per KV head) inductor's flex decoding kernel fits in a block
+FLEX_DECODE_ROWS = 128  # query rows (N x query heads per KV head) inductor's flex decoding kernel fits in a block
+MATMUL_QUERIES = 32  # longest query that sdpa() runs as matmuls in bfloat16/float16 on a CPU (at 64 the flash kernel wins)
 
 
 def choose_kernel(name: str, device: torch.device | str) -> str:
