@@ -84,19 +84,21 @@ def test_matmul_attention_gives_zeros_where_a_query_sees_nothing_as_sdpa_does():
     assert torch.allclose(out.float(), expected.nan_to_num(0.0), atol=2e-2)
 
 
+@pytest.mark.parametrize("clean_first", [False, True])
 @pytest.mark.parametrize("Hkv", [2, 4])
-def test_group_attention_equals_sdpa_under_its_dense_mask(Hkv):
-    """Training FlexDraft's groups: each sees the clean tokens before its anchor and itself."""
+def test_group_attention_equals_sdpa_under_its_dense_mask(Hkv, clean_first):
+    """Training FlexDraft's groups: each sees the clean tokens before its anchor and itself; a
+    clean first slot sees none of its group's masks."""
     g = torch.Generator().manual_seed(0)
     B, H, M, G, S, D = 2, 4, 5, 3, 11, 8
     anchors = torch.randint(0, S + 1, (B, M), generator=g)
     q = torch.randn(B, H, M * G, D, generator=g)
     k, v = (torch.randn(B, Hkv, S + M * G, D, generator=g) for _ in range(2))
-    group = torch.arange(M * G) // G
-    dense = torch.cat([torch.arange(S) < anchors.repeat_interleave(G, 1)[:, :, None],
-                       (group[:, None] == group[None, :]).expand(B, -1, -1)], -1)[:, None]
+    group, slot = torch.arange(M * G) // G, torch.arange(M * G) % G
+    own = (group[:, None] == group[None, :]) & ~(clean_first & (slot[:, None] == 0) & (slot[None, :] > 0))
+    dense = torch.cat([torch.arange(S) < anchors.repeat_interleave(G, 1)[:, :, None], own.expand(B, -1, -1)], -1)[:, None]
     expected = F.scaled_dot_product_attention(q, k, v, attn_mask=dense, enable_gqa=True)
-    out = attend(q, k, v, Groups(anchors, G, S))
+    out = attend(q, k, v, Groups(anchors, G, S, clean_first))
     assert torch.allclose(out, expected.transpose(1, 2).reshape(B, M * G, H * D), atol=1e-5)
 
 

@@ -76,6 +76,14 @@ def test_a_clean_bonus_drafts_after_verification_only_and_stays_lossless(tiny_ll
     cache = committed_cache(target, list(range(400, 420)))
     first, second = (drafter.draft_after_prefix(cache, [0], [root])[0] for root in (7, 8))
     assert not torch.allclose(first, second)  # the bonus is read
+    # its slot sees the prefix and itself only: the target's own hidden state at the bonus, whose
+    # next token is the first draft (the calibration MLP leaves that one be)
+    own, _ = target.forward(torch.tensor([[8]]), torch.zeros(1, 1, dtype=torch.long), None, cache)
+    torch.testing.assert_close(second[0], own[0, 0])
+    with torch.inference_mode():
+        plain, calibrated = drafter.draft_logits(second[None], torch.tensor([8]))
+        assert torch.equal(plain[0, 0], target.model.lm_head(own[0, 0]).float()) and torch.equal(plain[0, 0], calibrated[0, 0])
+    assert not torch.equal(plain[0, 1:], calibrated[0, 1:])
     masked = random_flexdraft(target, threshold=0.0)
     assert torch.equal(*(masked.draft_after_prefix(cache, [0], [root])[0] for root in (7, 8)))  # the paper's layout does not
     assert masked.drafts_inside_verification
@@ -147,6 +155,14 @@ def test_checkpoint_roundtrip_and_mismatch(tiny_qwen3, tmp_path):
     config = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**config, "num_target_layers": 36}))
     with pytest.raises(ValueError, match="trained for tiny_qwen3 \\(36 layers"):
+        load_flexdraft(tiny_qwen3, str(tmp_path))
+    # a clean-bonus drafter from before its first slot ran as the target's own token is refused
+    clean = random_flexdraft(tiny_qwen3, bonus="clean")
+    clean.save(tmp_path, torch.float64)
+    assert load_flexdraft(tiny_qwen3, str(tmp_path)).bonus == "clean"
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "first_slot"}))
+    with pytest.raises(ValueError, match="saw its masks.*retrain it: python train.py drafter=flexdraft target=tiny_qwen3"):
         load_flexdraft(tiny_qwen3, str(tmp_path))
 
 

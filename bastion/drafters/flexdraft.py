@@ -7,10 +7,15 @@ the clean prefix (the target's KV cache) and, bidirectionally, their own group, 
 group; their K/V are scratch and never enter the cache. The first mask sits where the bonus
 token goes (still unknown when drafting in parallel with verification); masks 2..G predict
 the K = G - 1 tokens after it. With `bonus=clean` that first slot is the bonus token itself,
-known once verification has ended: such a drafter drafts after verification only. A bonus-guided calibration MLP on [embedding of the bonus the
-verifier produced, mask hidden state] adds a bias to those logits, steering drafts made before
-the bonus was known towards it. Trained on math and code answers, the MLP can steer the wrong
-way on other text; `calibration=auto` keeps it only while it measurably helps: every drafted
+known once verification has ended: such a drafter drafts after verification only. That slot
+sees the prefix and itself only, so the forward is, for it, the target's own: its hidden state
+is the target's at the bonus, and the first draft is the target's own next token (the mask
+after it is a placeholder the later masks attend to). A bonus-guided calibration MLP on [guide,
+mask hidden state] adds a bias to the masks' logits; the guide is the embedding of the bonus
+the verifier produced (steering drafts made before the bonus was known towards it) or, with a
+clean bonus, the target's hidden state at it, which says more. Trained on math and code
+answers, the MLP can steer the wrong way on other text; `calibration=auto` keeps it only while
+it measurably helps: every drafted
 step, the top-1 drafts with and without it are both scored against the tokens the target then
 produced (an unbiased race on the same positions, free: both logits exist), and the drafts
 come from whichever has won more steps in this decode.
@@ -33,7 +38,7 @@ from torch import nn
 
 from bastion.drafters.base import DraftContext, Drafter, DraftVocabulary
 from bastion.drafters.checkpoint import read_checkpoint, save_checkpoint
-from bastion.models.attention import attend
+from bastion.models.attention import attend, within_group
 from bastion.models.kv_cache import KVCache
 from bastion.models.target import Target
 from bastion.models.transfer import to_device
@@ -43,6 +48,7 @@ from bastion.tree.proposal import BlockProposal, top_candidates
 CALIBRATION = ("on", "off", "auto")
 SELECTIONS = ("min_confidence", "cumulative_product")
 BONUS = ("mask", "clean")
+CLEAN_FIRST_SLOT = "target"  # a clean bonus slot runs as the target's own token (drafters trained before saw their masks)
 
 
 class FlexDraftDrafter(nn.Module, DraftVocabulary, Drafter):
@@ -81,6 +87,7 @@ class FlexDraftDrafter(nn.Module, DraftVocabulary, Drafter):
         self.config = {"architectures": ["FlexDraftDrafter"], "target": target.name, "num_target_layers": args.n_layers,
                        "hidden_size": args.hidden_size, "vocab_size": args.vocab_size, "tuned_layers": tuned_layers,
                        "group_size": group_size, "calibration_hidden": calibration_hidden, "bonus": bonus,
+                       **({"first_slot": CLEAN_FIRST_SLOT} if bonus == "clean" else {}),
                        **({"draft_vocab_size": draft_vocab_size} if draft_vocab_size else {})}
         self._pending: dict[int, torch.Tensor] = {}  # row -> hidden of the group drafted for its accepted node
         self._groups = None  # (kept nodes, their groups' hidden states) of a parallel verification
@@ -111,16 +118,28 @@ class FlexDraftDrafter(nn.Module, DraftVocabulary, Drafter):
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return model.norm(x) if layers.stop == len(model.layers) else x
 
+    def calibration_input(self, hidden: torch.Tensor, bonus: torch.Tensor) -> torch.Tensor:
+        """Group hidden states [..., G, h] and bonus tokens [...] -> the MLP's input [..., G-1, 2h]
+        for each mask after the first slot: [guide, the mask's hidden state]."""
+        masks = hidden[..., 1:, :]
+        guide = hidden[..., :1, :] if self.bonus == "clean" else self.target.model.embed_tokens(bonus)[..., None, :]
+        return torch.cat([guide.to(masks.dtype).expand_as(masks), masks], dim=-1)
+
     def draft_logits(self, hidden: torch.Tensor, bonus: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Group hidden states [..., G, h] and bonus tokens [...] -> draft logits [..., G-1, V']
-        over the draft vocabulary for the tokens after the bonus, without and with the
-        calibration MLP's bias (None when calibration is off)."""
-        drafts = hidden[..., 1:, :]
-        plain = self.draft_head(drafts)
+        """Group hidden states [..., G, h] and bonus tokens [...] -> draft logits [..., G-1, V]
+        (float32, -inf outside the draft vocabulary) for the tokens after the bonus, without and
+        with the calibration MLP's bias (None when calibration is off). With a clean bonus the
+        first draft is the target's own, over its whole vocabulary, and the MLP leaves it be."""
+        plain = self.in_full_vocab(self.draft_head(hidden[..., 1:, :]))
+        first = int(self.bonus == "clean")  # drafts before this one are the target's own
+        if first:
+            plain[..., 0, :] = self.target.model.lm_head(hidden[..., 0, :]).float()
         if self.calibration_mode == "off":
             return plain, None
-        bonus_embed = self.target.model.embed_tokens(bonus)[..., None, :].expand_as(drafts)
-        return plain, plain + self.calibration(torch.cat([bonus_embed.to(drafts.dtype), drafts], dim=-1))
+        bias = self.in_full_vocab(self.calibration(self.calibration_input(hidden, bonus)[..., first:, :]))
+        calibrated = plain.clone()
+        calibrated[..., first:, :] += bias
+        return plain, calibrated
 
     def uses_mlp(self) -> bool:
         return self.calibration_mode == "on" or (self.calibration_mode == "auto" and self.mlp_wins[1] >= self.mlp_wins[0])
@@ -190,8 +209,7 @@ class FlexDraftDrafter(nn.Module, DraftVocabulary, Drafter):
                 hidden[b] = h
         self._pending = {}
         device = self.mask_embedding.device
-        plain, calibrated = (self.in_full_vocab(logits) if logits is not None else None
-                             for logits in self.draft_logits(torch.stack(hidden), to_device(roots, device)))
+        plain, calibrated = self.draft_logits(torch.stack(hidden), to_device(roots, device))
         if self.calibration_mode == "auto":
             self._lengths, self._race = [len(s) for s in ctx.sequences], (plain.argmax(-1), calibrated.argmax(-1))
         return top_candidates(calibrated if self.uses_mlp() else plain, roots, self.top_k)
@@ -201,7 +219,7 @@ class FlexDraftDrafter(nn.Module, DraftVocabulary, Drafter):
         the bonus the last verification produced, where `bonus` is clean): [G, h] each."""
         B, G = len(cache.lengths), self.group_size
         device = self.mask_embedding.device
-        tree_mask = torch.ones(B, G, G, dtype=torch.bool, device=device)
+        tree_mask = within_group(G, self.bonus == "clean", device).expand(B, G, G)
         write_pos, mask = cache.prepare(G, tree_mask)
         x, is_mask = self.group_inputs(to_device(roots, device))
         hidden = self.run_layers(x, write_pos, mask, is_mask, lambda i: _writer(cache, i, write_pos, mask))
@@ -327,6 +345,9 @@ def load_flexdraft(target: Target, checkpoint: str | None, selection: str = "min
             f"This FlexDraft drafter was trained for {config['target']} ({config['num_target_layers']} layers, hidden "
             f"{config['hidden_size']}, vocab {config['vocab_size']}); target {target.name} has {a.n_layers}, {a.hidden_size}, {a.vocab_size}."
         )
+    if config.get("bonus") == "clean" and config.get("first_slot") != CLEAN_FIRST_SLOT:
+        raise ValueError(f"This FlexDraft drafter ({checkpoint}) was trained with a bonus slot that saw its masks, which "
+                         f"drafting no longer runs; retrain it: python train.py drafter=flexdraft target={target.name}")
     drafter = FlexDraftDrafter(target, config["tuned_layers"], config["group_size"], config["calibration_hidden"],
                                selection, threshold, top_k, draft_vocab_size=config.get("draft_vocab_size"),
                                bonus=bonus or config.get("bonus", "mask"))  # by default the layout it was trained with

@@ -107,13 +107,23 @@ class Layout:
 class Groups:
     """Training FlexDraft's layout: M groups of G mask tokens (the queries, group by group)
     after a sequence of S clean tokens (key slots 0..S-1; the groups' own keys follow, in the
-    same order). A group sees the clean tokens before its anchor and, bidirectionally, itself.
-    As a dense mask most of it would say that groups do not see each other: [M*G, M*G] of
-    [M*G, S + M*G] bits, the attention's cost growing with anchors squared."""
+    same order). A group sees the clean tokens before its anchor and, bidirectionally, itself;
+    a `clean_first` slot (FlexDraft's bonus=clean) sees the clean tokens and itself only, as in
+    the target's own forward. As a dense mask most of it would say that groups do not see each
+    other: [M*G, M*G] of [M*G, S + M*G] bits, the attention's cost growing with anchors squared."""
 
     anchors: torch.Tensor  # [B, M] long: clean tokens each group sees
     size: int  # G
     n_clean: int  # S
+    clean_first: bool = False
+
+
+def within_group(size: int, clean_first: bool, device: torch.device | None = None) -> torch.Tensor:
+    """[G, G] bool: which slots of its own group each slot of a FlexDraft group sees (Groups)."""
+    sees = torch.ones(size, size, dtype=torch.bool, device=device)
+    if clean_first:
+        sees[0, 1:] = False
+    return sees
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Layout | Groups | torch.Tensor) -> torch.Tensor:
@@ -172,7 +182,8 @@ def group_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: G
     clean = q.flatten(2, 4) @ k[:, :, :S].transpose(-1, -2)  # [B, Hkv, H/Hkv * M * G, S]
     visible = torch.arange(S, device=q.device) < groups.anchors[:, :, None]  # [B, M, S]
     clean = clean.view(B, Hkv, H // Hkv, M, G, S).masked_fill(~visible[:, None, None, :, None], float("-inf"))
-    scores = torch.cat([clean, q @ own_k.transpose(-1, -2)], -1).float().mul_(D**-0.5)  # [..., M, G, S + G]
+    own = (q @ own_k.transpose(-1, -2)).masked_fill(~within_group(G, groups.clean_first, q.device), float("-inf"))
+    scores = torch.cat([clean, own], -1).float().mul_(D**-0.5)  # [..., M, G, S + G]
     probs = scores.softmax(-1).to(v.dtype)
     out = probs[..., :S].flatten(2, 4) @ v[:, :, :S] + (probs[..., S:] @ own_v).flatten(2, 4)
     return out.view(B, H, N, D)

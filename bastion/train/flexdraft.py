@@ -3,9 +3,11 @@
 Per step, a training sequence runs once through the frozen target (its clean KV cache, no
 gradient); then groups of G mask tokens at random anchors inside the answer run through the
 target's layers with the tuned attention in the last L, each group seeing the clean tokens
-before its anchor and itself. Mask j of a group predicts the token at anchor + j - 1; masks
-2..G are the drafts, scored with and without the calibration bias (so the drafter also works,
-and can be ablated, without it), weighted exp(-(k-1)/gamma) by draft index k.
+before its anchor and itself (a clean bonus in the first slot sees the clean tokens and itself
+only). Mask j of a group predicts the token at anchor + j - 1; masks 2..G are the drafts,
+scored with and without the calibration bias (so the drafter also works, and can be ablated,
+without it), weighted exp(-(k-1)/gamma) by draft index k. With a clean bonus, decoding takes
+its first draft from the target itself; mask 2 still learns it, as the state masks 3..G read.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ def group_hidden(drafter: FlexDraftDrafter, tokens: torch.Tensor, anchors: torch
         cache = target.new_cache(B, S)
         write_pos, layout = cache.prepare(S)
         target.model(tokens, write_pos, layout, cache, write_pos)
-    attn_mask = Groups(anchors, G, S)
+    attn_mask = Groups(anchors, G, S, clean_first=drafter.bonus == "clean")
     positions = (anchors[:, :, None] + torch.arange(G)).view(B, M * G)
     x, is_mask = drafter.group_inputs(tokens.gather(1, anchors))  # [B, M, G, h]: the bonus is the anchor's token
     x, is_mask = x.flatten(1, 2), None if is_mask is None else is_mask.flatten(1, 2)
@@ -57,12 +59,10 @@ def group_loss(drafter: FlexDraftDrafter, batch, gamma: float, to_draft: torch.T
     vocabulary when the drafter has one (`to_draft` maps target ids to draft ids, -1 outside
     it, and those labels carry no loss); per-position hits (calibrated) and counts."""
     _, tokens, anchors, anchor_ok, lengths = batch
-    target = drafter.target
     S, G = tokens.shape[1], drafter.group_size
-    drafts = group_hidden(drafter, tokens, anchors)[:, :, 1:]  # [B, M, G-1, h]
-    base = F.linear(drafts.flatten(0, 2), drafter.head_weight()).float()  # [B*M*(G-1), V']: a 2-D matmul
-    bonus = target.model.embed_tokens(tokens.gather(1, anchors))[:, :, None, :].expand_as(drafts)
-    calibrated = base + drafter.calibration(torch.cat([bonus, drafts], -1)).flatten(0, 2).float()
+    hidden = group_hidden(drafter, tokens, anchors)  # [B, M, G, h]
+    base = F.linear(hidden[:, :, 1:].flatten(0, 2), drafter.head_weight()).float()  # [B*M*(G-1), V']: a 2-D matmul
+    calibrated = base + drafter.calibration(drafter.calibration_input(hidden, tokens.gather(1, anchors))).flatten(0, 2).float()
     label_pos = anchors[:, :, None] + torch.arange(1, G)  # [B, M, G-1]
     label_ok = anchor_ok[:, :, None] & (label_pos < lengths[:, None, None])
     labels = tokens.gather(1, label_pos.clamp(max=S - 1).flatten(1)).flatten()
@@ -86,12 +86,11 @@ def chain_aal(drafter: FlexDraftDrafter, examples: list[Example]) -> dict[str, f
     for e in examples:
         n, start = len(e.tokens), e.answer_start
         hidden = group_hidden(drafter, e.tokens[None], torch.arange(start, n - 1)[None])[0]  # [M, G, h]
-        plain, calibrated = drafter.draft_logits(hidden, e.tokens[start : n - 1])  # [M, G-1, V'] each
+        plain, calibrated = drafter.draft_logits(hidden, e.tokens[start : n - 1])  # [M, G-1, V] each
         for name, logits in (("val_chain_aal", calibrated), ("val_chain_aal_plain", plain)):
             if logits is None:  # calibration off
                 continue
-            ids = logits.argmax(-1)
-            steps, produced = chain_walk(ids if drafter.draft_vocab is None else drafter.draft_vocab[ids], e.tokens, start)
+            steps, produced = chain_walk(logits.argmax(-1), e.tokens, start)
             walked[name][0] += steps
             walked[name][1] += produced
     return {name: round(produced / steps, 4) for name, (steps, produced) in walked.items() if steps}
