@@ -129,7 +129,9 @@ class FlexDraftDrafter(nn.Module, DraftVocabulary, Drafter):
         """Group hidden states [..., G, h] and bonus tokens [...] -> draft logits [..., G-1, V]
         (float32, -inf outside the draft vocabulary) for the tokens after the bonus, without and
         with the calibration MLP's bias (None when calibration is off). With a clean bonus the
-        first draft is the target's own, over its whole vocabulary, and the MLP leaves it be."""
+        first draft is the target's own, over its whole vocabulary (the draft head would be
+        cheaper, but misses the target's choice wherever it lies outside the draft vocabulary,
+        more often on chat than the time saved repays), and the MLP leaves it be."""
         plain = self.in_full_vocab(self.draft_head(hidden[..., 1:, :]))
         first = int(self.bonus == "clean")  # drafts before this one are the target's own
         if first:
