@@ -132,16 +132,18 @@ class FlexDraftDrafter(nn.Module, DraftVocabulary, Drafter):
         first draft is the target's own, over its whole vocabulary (the draft head would be
         cheaper, but misses the target's choice wherever it lies outside the draft vocabulary,
         more often on chat than the time saved repays), and the MLP leaves it be."""
-        plain = self.in_full_vocab(self.draft_head(hidden[..., 1:, :]))
-        first = int(self.bonus == "clean")  # drafts before this one are the target's own
-        if first:
-            plain[..., 0, :] = self.target.model.lm_head(hidden[..., 0, :]).float()
+        drafts = self.draft_head(hidden[..., 1:, :]).float()  # [..., G-1, V']
+        own = self.target.model.lm_head(hidden[..., :1, :]).float() if self.bonus == "clean" else None  # [..., 1, V]
+
+        def in_full(logits: torch.Tensor) -> torch.Tensor:  # [..., G-1, V'] -> [..., G-1, V]
+            logits = self.in_full_vocab(logits)
+            if own is not None:
+                logits[..., :1, :] = own
+            return logits
+
         if self.calibration_mode == "off":
-            return plain, None
-        bias = self.in_full_vocab(self.calibration(self.calibration_input(hidden, bonus)[..., first:, :]))
-        calibrated = plain.clone()
-        calibrated[..., first:, :] += bias
-        return plain, calibrated
+            return in_full(drafts), None
+        return in_full(drafts), in_full(drafts + self.calibration(self.calibration_input(hidden, bonus)).float())
 
     def uses_mlp(self) -> bool:
         return self.calibration_mode == "on" or (self.calibration_mode == "auto" and self.mlp_wins[1] >= self.mlp_wins[0])
