@@ -32,16 +32,14 @@ class RandomDrafter(Drafter):
     sorts and top-k cheaper than a real drafter's): trees of any size, next to no draft cost."""
 
     def __init__(self, vocab: int, positions: int = 16, top_k: int = 16, bank: int = 64):
-        self.vocab, self.positions, self.top_k = vocab, positions, top_k
         self.gen = torch.Generator().manual_seed(0)
         logits = 3 * torch.randn(bank, positions, 1000, generator=self.gen)
         self.bank = logits.log_softmax(-1).topk(top_k, dim=-1).values  # [bank, K, k], drawn from every step
+        self.token_bank = torch.randint(vocab, (bank, positions, top_k), generator=self.gen)
 
     def propose(self, ctx: DraftContext) -> BlockProposal:
-        B, K, k = len(ctx.sequences), self.positions, self.top_k
-        tokens = torch.randint(self.vocab, (B, K, k), generator=self.gen)
-        logprobs = self.bank[torch.randint(len(self.bank), (B,), generator=self.gen)]
-        return BlockProposal([seq[-1] for seq in ctx.sequences], tokens, logprobs)
+        pick = torch.randint(len(self.bank), (len(ctx.sequences),), generator=self.gen)  # [B]: drawing is all it does
+        return BlockProposal([seq[-1] for seq in ctx.sequences], self.token_bank[pick], self.bank[pick])
 
 
 def parse(argv: list[str]) -> tuple[dict[str, list[int]], list[str]]:

@@ -95,8 +95,8 @@ def test_trees_of_a_known_depth_pack_and_verify_in_fewer_rounds():
 
 
 def test_ranked_is_a_stable_descending_sort():
-    """Exactly a stable sort's first n: ties (0.0 and -0.0 among them) to the lower column, -inf last."""
-    scores = np.random.default_rng(0).normal(size=(4, 300)).round(1).astype(np.float32)  # many ties
+    """Exactly a stable sort's first n of log-probabilities: ties (0.0 and -0.0 among them) to the lower column, -inf last."""
+    scores = -np.abs(np.random.default_rng(0).normal(size=(4, 300)).round(1).astype(np.float32))  # many ties
     scores[:, ::7], scores[:, 1::11], scores[:, 2::13] = 0.0, -0.0, -math.inf
     for n in (1, 100, 300):
         assert np.array_equal(ranked(scores, n), np.argsort(-scores, axis=1, kind="stable")[:, :n])
@@ -115,6 +115,10 @@ def test_best_first_refuses_a_child_that_scores_above_its_parent():
     for n in (1, 2):  # the child alone, or listed before its parent
         with pytest.raises(ValueError, match="scores above its parent"):
             best_first(rising, n)
+    siblings = torch.tensor([[-1, 0, 0]])  # above the root, in an order a sort of magnitudes would pass
+    above_zero = TreeProposal([5], tokens, siblings, torch.tensor([[0.0, 0.5, 0.2]]), torch.zeros(1, 3, dtype=torch.long), depth=1)
+    with pytest.raises(ValueError, match="log-probability above 0"):
+        best_first(above_zero, 2)
 
 
 def proposal(probs: list[list[float]]) -> BlockProposal:

@@ -44,11 +44,14 @@ def best_first(proposal: BlockProposal | TreeProposal, max_nodes: int) -> list[D
     # candidates, the root first, then each depth's beam: path score, parent candidate, token
     scores, parents, candidates = [np.zeros((B, 1), np.float32)], [np.full((B, 1), -1)], [np.array(proposal.roots)[:, None]]
     beam, beam_start, n_seen = scores[0], 0, 1  # the beam above: its scores, its first candidate
-    best = np.empty((B, 0), np.float32)  # the max_nodes best scores so far: their least is a floor for the rest
+    best = np.empty((B, 0), np.float32)  # the max_nodes best scores so far (this depth's children too): their least is a floor
     rows = np.arange(B)[:, None]
     for depth in range(K):
         slot, rank = _contenders(beam.shape[1], k, max_nodes)  # [C] each
         children = beam[:, slot] + logprobs[:, depth, rank]  # [B, C]
+        best = np.concatenate([best, children], 1)
+        if best.shape[1] > max_nodes:
+            best = np.partition(best, -max_nodes, axis=1)[:, -max_nodes:]
         floor = np.maximum(best.min(1, keepdims=True), LEAST) if best.shape[1] == max_nodes else LEAST
         width = min(max_nodes, int((children >= floor).sum(1).max()))  # children that can still make it
         if width == 0:
@@ -59,9 +62,6 @@ def best_first(proposal: BlockProposal | TreeProposal, max_nodes: int) -> list[D
         parents.append(slot[top] + beam_start)
         candidates.append(tokens[rows, depth, rank[top]])
         beam_start, n_seen = n_seen, n_seen + width
-        best = np.concatenate([best, beam], 1)
-        if best.shape[1] > max_nodes:
-            best = np.partition(best, -max_nodes, axis=1)[:, -max_nodes:]
     return best_nodes(np.concatenate(scores, 1), np.concatenate(parents, 1), np.concatenate(candidates, 1), max_nodes)
 
 
@@ -77,7 +77,7 @@ def best_nodes(scores: np.ndarray, parents: np.ndarray, tokens: np.ndarray, max_
     node_parents = np.where(parent < 0, parent, place[rows, np.maximum(parent, 0)])
     logq = scores[rows, order].astype(np.float64)  # [B, 1 + N]
     below = node_parents[:, 1:]  # the trees are built unchecked: their one check, for the whole batch at once
-    if not (((below >= 0) & (below < np.arange(1, below.shape[1] + 1))) | ~np.isfinite(logq[:, 1:])).all():
+    if scores.max() > 0 or not (((below >= 0) & (below < np.arange(1, below.shape[1] + 1))) | ~np.isfinite(logq[:, 1:])).all():
         raise ValueError("A candidate scores above its parent (a log-probability above 0?): best-first's picks are not a tree.")
     trees = []
     chosen = zip(tokens[rows, order].tolist(), node_parents.tolist(), logq.tolist(), np.isfinite(logq).sum(1).tolist())
@@ -87,14 +87,13 @@ def best_nodes(scores: np.ndarray, parents: np.ndarray, tokens: np.ndarray, max_
 
 
 def ranked(scores: np.ndarray, n: int) -> np.ndarray:
-    """The columns of the n highest float32 scores [B, C] per row, best first, ties to the lower
-    column: a stable descending sort's first n, from a partition and a sort of int64 keys
-    that hold each score's order above its column (an argsort that keeps indices costs
-    several times more)."""
+    """The columns of the n highest float32 scores [B, C] per row, none above 0 (log-probabilities),
+    best first, ties to the lower column: a stable descending sort's first n, from a partition
+    and a sort of int64 keys that hold each score's order above its column (an argsort that
+    keeps indices costs several times more)."""
     C = scores.shape[1]
-    bits = (scores + np.float32(0.0)).view(np.int32)  # + 0.0 turns -0.0 into 0.0, which ties with it
-    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats' magnitude bits flipped: ints in the floats' order
-    keys = (~ordered).astype(np.int64) << 32 | np.arange(C)  # ascending keys: descending scores, then columns
+    magnitude = scores.view(np.int32) & 0x7FFFFFFF  # at or below 0 (-0.0 and -inf too), a float's order reversed, as an int
+    keys = magnitude.astype(np.int64) << 32 | np.arange(C)  # ascending keys: descending scores, then columns
     if n < C:
         keys = np.partition(keys, n - 1, axis=1)[:, :n]
     return np.sort(keys, axis=1) & 0xFFFFFFFF
@@ -105,5 +104,4 @@ def _contenders(beam: int, k: int, n: int) -> tuple[np.ndarray, np.ndarray]:
     """The children (beam slot p, rank r) that can be among a depth's n best, as slots and ranks
     [C]: the beam and each position's candidates are sorted, so (p+1)(r+1) children are at
     least as good as (p, r), and with more than n of them it cannot be (n=256, k=16: 861 of 4096)."""
-    cells = [(p, r) for p in range(beam) for r in range(k) if (p + 1) * (r + 1) <= n]
-    return tuple(np.array(column) for column in zip(*cells))
+    return np.nonzero(np.arange(1, beam + 1)[:, None] * np.arange(1, k + 1) <= n)  # beam-major, as the beam's slots
