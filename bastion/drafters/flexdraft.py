@@ -125,13 +125,15 @@ class FlexDraftDrafter(nn.Module, DraftVocabulary, Drafter):
         guide = hidden[..., :1, :] if self.bonus == "clean" else self.target.model.embed_tokens(bonus)[..., None, :]
         return torch.cat([guide.to(masks.dtype).expand_as(masks), masks], dim=-1)
 
-    def draft_logits(self, hidden: torch.Tensor, bonus: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def draft_logits(self, hidden: torch.Tensor, bonus: torch.Tensor, plain: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Group hidden states [..., G, h] and bonus tokens [...] -> draft logits [..., G-1, V]
         (float32, -inf outside the draft vocabulary) for the tokens after the bonus, without and
-        with the calibration MLP's bias (None when calibration is off). With a clean bonus the
-        first draft is the target's own, over its whole vocabulary (the draft head would be
-        cheaper, but misses the target's choice wherever it lies outside the draft vocabulary,
-        more often on chat than the time saved repays), and the MLP leaves it be."""
+        with the calibration MLP's bias (None when calibration is off; the plain ones None with
+        `plain=False` and calibration on: a decode that reads only the calibrated ones does not
+        make [B, G-1, V] float32 twice). With a clean bonus the first draft is the target's own,
+        over its whole vocabulary (the draft head would be cheaper, but misses the target's
+        choice wherever it lies outside the draft vocabulary, more often on chat than the time
+        saved repays), and the MLP leaves it be."""
         drafts = self.draft_head(hidden[..., 1:, :]).float()  # [..., G-1, V']
         own = self.target.model.lm_head(hidden[..., :1, :]).float() if self.bonus == "clean" else None  # [..., 1, V]
 
@@ -143,7 +145,8 @@ class FlexDraftDrafter(nn.Module, DraftVocabulary, Drafter):
 
         if self.calibration_mode == "off":
             return in_full(drafts), None
-        return in_full(drafts), in_full(drafts + self.calibration(self.calibration_input(hidden, bonus)).float())
+        calibrated = in_full(drafts + self.calibration(self.calibration_input(hidden, bonus)).float())
+        return in_full(drafts) if plain else None, calibrated
 
     def uses_mlp(self) -> bool:
         return self.calibration_mode == "on" or (self.calibration_mode == "auto" and self.mlp_wins[1] >= self.mlp_wins[0])
@@ -213,7 +216,7 @@ class FlexDraftDrafter(nn.Module, DraftVocabulary, Drafter):
                 hidden[b] = h
         self._pending = {}
         device = self.mask_embedding.device
-        plain, calibrated = self.draft_logits(torch.stack(hidden), to_device(roots, device))
+        plain, calibrated = self.draft_logits(torch.stack(hidden), to_device(roots, device), plain=self.calibration_mode != "on")
         if self.calibration_mode == "auto":
             self._lengths, self._race = [len(s) for s in ctx.sequences], (plain.argmax(-1), calibrated.argmax(-1))
         return top_candidates(calibrated if self.uses_mlp() else plain, roots, self.top_k)
