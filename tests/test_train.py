@@ -65,6 +65,8 @@ def test_selfdistill_is_the_targets_own_greedy_answers_and_resumes(tiny, data):
     assert row["top_ids"].shape == row["top_logprobs"].shape == (len(answer), 2) and (row["top_ids"][:, 0] == answer).all()
     example = to_examples(dataset)[0]  # in memory as stored (datasets reads float16 as float32: twice the memory)
     assert example.features.dtype == example.top_logprobs.dtype == torch.float16 and example.top_ids.dtype == torch.int32
+    bare = to_examples(dataset, features=False)[0]  # FlexDraft's: the features are most of the data, and unread
+    assert bare.features is None and torch.equal(bare.tokens, example.tokens) and torch.equal(bare.top_ids, example.top_ids)
     from bastion.engine import generate
 
     prompt = row["input_ids"][: row["answer_start"]].tolist()

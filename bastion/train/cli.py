@@ -54,7 +54,7 @@ def train(cfg: DictConfig) -> None:
     started = time.time()
     target = build_target(cfg)  # packed on CPU (training runs plain kernels)
     target.model.requires_grad_(False)
-    layers, examples, val_examples = training_examples(cfg, target)
+    layers, examples, val_examples = training_examples(cfg, target, features=cfg.drafter.name != "flexdraft")  # FlexDraft reads the target itself
     recipe, state = cfg.recipe, Path(cfg.recipe.work_dir) / "train_state.pt"
     optim = OmegaConf.to_container(recipe.optim)
     # What the run learns from; its length (steps) may grow on a resume, and where the drafter
@@ -130,12 +130,14 @@ def settle(cfg: DictConfig) -> None:
     cfg.recipe.optim.autocast = resolve_bfloat16(cfg.recipe.optim.autocast, cfg.device)
 
 
-def training_examples(cfg: DictConfig, target) -> tuple[tuple[int, ...], list, list]:
+def training_examples(cfg: DictConfig, target, features: bool = True) -> tuple[tuple[int, ...], list, list]:
     """The target feature layers recorded, and the self-distillation answers split into training
-    and held-out examples. With `data.bfloat16` a bfloat16 copy of the target decodes them."""
+    and held-out examples (with the features unless `features` is False). With `data.bfloat16` a
+    bfloat16 copy of the target decodes them."""
     layers = tuple(evenly_spaced_layers(target.args.n_layers, cfg.data.n_feature_layers))
     decoder = build_target(cfg, "bfloat16") if cfg.data.bfloat16 else target
-    examples, val_examples = split_examples(to_examples(self_distillation(cfg, decoder, layers)), cfg.data.val_fraction)
+    dataset = self_distillation(cfg, decoder, layers)
+    examples, val_examples = split_examples(to_examples(dataset, features), cfg.data.val_fraction)
     return layers, examples, val_examples
 
 

@@ -12,22 +12,26 @@ from bastion.tree.proposal import matched_prefix
 @dataclass
 class Example:
     tokens: torch.Tensor  # [S] prompt + answer
-    features: torch.Tensor  # [S - 1, F] fp16 target features of all but the last token
+    features: torch.Tensor | None  # [S - 1, F] fp16 target features of all but the last token (None: not read)
     answer_start: int
     top_ids: torch.Tensor | None = None  # [S - answer_start, k] int32 the target's likeliest tokens at each answer token
     top_logprobs: torch.Tensor | None = None  # [S - answer_start, k] fp16 and their log-probs
 
 
-def to_examples(dataset) -> list[Example]:
+def to_examples(dataset, features: bool = True) -> list[Example]:
     """Rows with at least one anchor that can predict something, held in memory in their stored
     dtypes: `datasets` reads float16 columns back as float32 (and int32 as int64), which for
-    6400 prompts' features is 10 GB more, so each row is cast back as it is read."""
+    6400 prompts' features is 10 GB more, so each row is cast back as it is read. Without
+    `features` (a drafter that reads the target itself: FlexDraft) that column is not read:
+    it is most of the data (~16 GB in memory for the default 8000 prompts)."""
+    if not features:
+        dataset = dataset.remove_columns("features")
     examples = []
     for row in dataset.with_format("torch"):
         tokens, start = row["input_ids"].long(), int(row["answer_start"])
         if len(tokens) - 2 >= start:
             top_ids, top_logprobs = row.get("top_ids"), row.get("top_logprobs")
-            examples.append(Example(tokens, row["features"].half(), start, None if top_ids is None else top_ids.int(),
+            examples.append(Example(tokens, row["features"].half() if features else None, start, None if top_ids is None else top_ids.int(),
                                     None if top_logprobs is None else top_logprobs.half()))
     if not examples:
         raise ValueError("The self-distillation data holds no answer long enough to train on.")
