@@ -182,7 +182,9 @@ def group_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: G
     clean = q.flatten(2, 4) @ k[:, :, :S].transpose(-1, -2)  # [B, Hkv, H/Hkv * M * G, S]
     visible = torch.arange(S, device=q.device) < groups.anchors[:, :, None]  # [B, M, S]
     clean = clean.view(B, Hkv, H // Hkv, M, G, S).masked_fill(~visible[:, None, None, :, None], float("-inf"))
-    own = (q @ own_k.transpose(-1, -2)).masked_fill(~within_group(G, groups.clean_first, q.device), float("-inf"))
+    own = q @ own_k.transpose(-1, -2)  # [..., M, G, G]
+    if groups.clean_first:
+        own = own.masked_fill(~within_group(G, True, q.device), float("-inf"))
     scores = torch.cat([clean, own], -1).float().mul_(D**-0.5)  # [..., M, G, S + G]
     probs = scores.softmax(-1).to(v.dtype)
     out = probs[..., :S].flatten(2, 4) @ v[:, :, :S] + (probs[..., S:] @ own_v).flatten(2, 4)
