@@ -44,7 +44,7 @@ def verify_greedy(choice: torch.Tensor, trees: list[DraftTree], tokens: torch.Te
     verdicts = []
     for tree, (node, bonus) in zip(trees, out):
         path = tree.path(node)
-        verdicts.append(Verdict(path, [tree.tokens[i] for i in path[1:]] + [bonus]))
+        verdicts.append(Verdict(path, tree.tokens[path[1:]].tolist() + [bonus]))
     return verdicts
 
 
@@ -109,7 +109,7 @@ def verify_sampled(
     verdicts = []
     for tree, (*path, last) in zip(trees, torch.stack([*steps, bonus], 1).tolist()):  # [B, depth + 2]
         path = [0, *(n for n in path if n >= 0)]
-        verdicts.append(Verdict(path, [tree.tokens[i] for i in path[1:]] + [last]))
+        verdicts.append(Verdict(path, tree.tokens[path[1:]].tolist() + [last]))
     return verdicts
 
 
@@ -136,7 +136,7 @@ def sample_children(trees: list[DraftTree], draft_probs: torch.Tensor, generator
     drawn = iter(torch.cat(chunks).tolist())  # one transfer: per parent, its draws and their log q
     sampled = []
     for tree in trees:
-        tokens, tree_parents, tree_logq, renumbered = [tree.tokens[0]], [-1], [0.0], {0: 0}
+        tokens, tree_parents, tree_logq, renumbered = [int(tree.tokens[0])], [-1], [0.0], {0: 0}
         for node, kids in enumerate(tree.children):
             if not kids:
                 continue
@@ -150,5 +150,5 @@ def sample_children(trees: list[DraftTree], draft_probs: torch.Tensor, generator
                 tokens.append(int(x))
                 tree_parents.append(renumbered[node])
                 tree_logq.append(tree_logq[renumbered[node]] + qx)
-        sampled.append(DraftTree(tuple(tokens), tuple(tree_parents), tuple(tree_logq)))
+        sampled.append(DraftTree(tokens, tree_parents, tree_logq))
     return sampled

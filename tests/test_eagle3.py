@@ -80,11 +80,11 @@ def test_best_first_takes_the_likeliest_candidates_and_chain_follows_top_ranks()
     logq = torch.tensor([[1.0, 0.6, 0.3, 0.3, 0.24]]).log()
     proposal = TreeProposal([5], tokens, parents, logq, torch.tensor([[0, 0, 1, 0, 1]]), depth=2)
     (tree,) = best_first(proposal, 3)
-    assert tree.tokens == (5, 6, 7, 8) and tree.parents == (-1, 0, 0, 1)  # .6, then .3 twice: the earlier first
+    assert tree.tokens.tolist() == [5, 6, 7, 8] and tree.parents.tolist() == [-1, 0, 0, 1]  # .6, then .3 twice: the earlier first
     (tree,) = chain(proposal, 5)
-    assert tree.tokens == (5, 6, 8) and tree.parents == (-1, 0, 1)
+    assert tree.tokens.tolist() == [5, 6, 8] and tree.parents.tolist() == [-1, 0, 1]
     (tree,) = static(proposal, 5, [[1], [0], [0, 1], [1, 0]])  # [1, 0] was never grown: skipped
-    assert tree.tokens == (5, 7, 6, 9) and tree.parents == (-1, 0, 0, 2)
+    assert tree.tokens.tolist() == [5, 7, 6, 9] and tree.parents.tolist() == [-1, 0, 0, 2]
 
 
 def test_checkpoints_load_in_the_released_format(tiny_qwen3, tmp_path):

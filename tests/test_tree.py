@@ -36,7 +36,7 @@ def test_ancestor_mask_and_depths_match_hand_built_reference():
         [T, F, T, F, F, T, F],
         [T, T, F, T, F, F, T],
     ])
-    assert torch.equal(ancestor_masks(torch.tensor([TREE.parents]))[0][0], expected)
+    assert torch.equal(ancestor_masks(torch.tensor(TREE.parents)[None])[0][0], expected)
     assert TREE.depths == (0, 1, 1, 2, 2, 2, 3)
     assert TREE.path(6) == [0, 1, 3, 6]
     assert TREE.children[1] == (3, 4)
@@ -47,7 +47,7 @@ def test_pack_pads_rows_that_see_only_themselves():
     tokens, depths, mask, parents = pack([TREE, small], "cpu")
     assert tokens.tolist() == [[10, 11, 12, 13, 14, 15, 16], [20, 21, 0, 0, 0, 0, 0]]
     assert depths.tolist() == [[0, 1, 1, 2, 2, 2, 3], [0, 1, 0, 0, 0, 0, 0]]
-    assert torch.equal(mask[0], ancestor_masks(torch.tensor([TREE.parents]))[0][0])
+    assert torch.equal(mask[0], ancestor_masks(torch.tensor(TREE.parents)[None])[0][0])
     assert torch.equal(mask[1, :2, :2], torch.tensor([[True, False], [True, True]]))
     assert torch.equal(mask[1, 2:], torch.eye(7, dtype=torch.bool)[2:])
     assert parents.tolist() == [[-1, 0, 0, 1, 1, 2, 3], [-1, 0, -1, -1, -1, -1, -1]]
@@ -132,7 +132,7 @@ def proposal(probs: list[list[float]]) -> BlockProposal:
 def test_chain_takes_top1_up_to_budget():
     p = proposal([[0.9, 0.1], [0.5, 0.4], [0.8, 0.2]])
     (tree,) = chain(p, 2)
-    assert tree.tokens == (7, 0, 100) and tree.parents == (-1, 0, 1)
+    assert tree.tokens.tolist() == [7, 0, 100] and tree.parents.tolist() == [-1, 0, 1]
     assert tree.expected_accepted() == pytest.approx(0.9 + 0.45)
 
 
@@ -161,7 +161,7 @@ def test_best_first_is_optimal_for_every_size(seed, K, k):
         assert tree.n_nodes == n
         assert tree.expected_accepted() == pytest.approx(best, rel=1e-6)  # scores are float32
         # the size-n tree is the first n nodes of any larger one: controllers may truncate
-        assert full.truncate(n).tokens == tree.tokens and full.truncate(n).parents == tree.parents
+        assert full.truncate(n).tokens.tolist() == tree.tokens.tolist() and full.truncate(n).parents.tolist() == tree.parents.tolist()
 
 
 def heap_best_first(logprobs: list[list[float]], n: int) -> list[tuple[int, ...]]:
@@ -204,14 +204,14 @@ def test_best_first_lists_certain_children_after_their_parents():
     for n in range(1, 9):
         (tree,) = best_first(p, n)  # DraftTree checks every parent comes first
         assert tree.n_nodes == min(n, 6)
-        assert tree.tokens[:3] == (7, 0, 100)[: n + 1] and set(tree.tokens[3:5]) <= {200, 201}  # either of the tied two
-        assert len(set(tree.tokens[3:5])) == len(tree.tokens[3:5])
-        assert tree.tokens[5:] == (300, 300)[: max(n - 4, 0)]
+        assert tree.tokens[:3].tolist() == [7, 0, 100][: n + 1] and set(tree.tokens[3:5].tolist()) <= {200, 201}  # either of the tied two
+        assert len(set(tree.tokens[3:5].tolist())) == len(tree.tokens[3:5])
+        assert tree.tokens[5:].tolist() == [300, 300][: max(n - 4, 0)]
         assert tree.expected_accepted() == pytest.approx([1, 2, 2.5, 3, 3.5, 4][min(n, 6) - 1])
 
 
 def test_best_first_skips_missing_candidates():
     p = proposal([[1.0, 0.0], [0.5, 0.0]])
     (tree,) = best_first(p, 10)
-    assert tree.tokens == (7, 0, 100)
-    assert best_first(p, 0)[0].tokens == (7,)  # no budget: the root alone
+    assert tree.tokens.tolist() == [7, 0, 100]
+    assert best_first(p, 0)[0].tokens.tolist() == [7]  # no budget: the root alone

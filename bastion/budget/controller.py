@@ -142,7 +142,7 @@ def merge_best_first(trees: list[DraftTree]) -> tuple[np.ndarray, np.ndarray]:
     taken at the lowest value up to it in its row (a running minimum), and taking nodes by
     decreasing running minimum, ties to the lower row, is that greedy merge (a stable sort of
     the rows laid end to end)."""
-    values = [np.exp(np.asarray(t.logq[1:], dtype=float)) for t in trees]
+    values = [np.exp(t.logq[1:]) for t in trees]
     rows = np.repeat(np.arange(len(trees)), [len(v) for v in values])
     order = np.argsort(-np.concatenate([np.minimum.accumulate(v) for v in values]), kind="stable")
     picks = np.zeros((len(order) + 1, len(trees)), dtype=np.int64)

@@ -286,7 +286,7 @@ class FlexDraftDrafter(nn.Module, DraftVocabulary, Drafter):
         min_confidence keeps node i when its path probability reaches the threshold;
         cumulative_product keeps nodes by decreasing path probability until they cover the
         threshold's complement of the probability that some path ends there."""
-        probs = [math.exp(s) for s in tree.logq]
+        probs = [math.exp(s) for s in tree.logq.tolist()]
         if self.selection == "min_confidence":
             return [i for i, p in enumerate(probs) if i == 0 or p >= self.threshold]
         order = sorted(range(len(probs)), key=lambda i: -probs[i])

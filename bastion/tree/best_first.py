@@ -79,11 +79,8 @@ def best_nodes(scores: np.ndarray, parents: np.ndarray, tokens: np.ndarray, max_
     below = node_parents[:, 1:]  # the trees are built unchecked: their one check, for the whole batch at once
     if scores.max() > 0 or not (((below >= 0) & (below < np.arange(1, below.shape[1] + 1))) | ~np.isfinite(logq[:, 1:])).all():
         raise ValueError("A candidate scores above its parent (a log-probability above 0?): best-first's picks are not a tree.")
-    trees = []
-    chosen = zip(tokens[rows, order].tolist(), node_parents.tolist(), logq.tolist(), np.isfinite(logq).sum(1).tolist())
-    for row_tokens, row_parents, row_logq, n in chosen:  # candidates of -inf log-probability are no candidates (they sort last)
-        trees.append(DraftTree(tuple(row_tokens[:n]), tuple(row_parents[:n]), tuple(row_logq[:n]), checked=False))
-    return trees
+    tokens, sizes = tokens[rows, order], np.isfinite(logq).sum(1).tolist()  # candidates of -inf log-probability are no candidates (they sort last)
+    return [DraftTree(tokens[b, :n], node_parents[b, :n], logq[b, :n], checked=False) for b, n in enumerate(sizes)]
 
 
 def ranked(scores: np.ndarray, n: int) -> np.ndarray:

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
-import math
-import operator
 from dataclasses import InitVar, dataclass
 from functools import cache, cached_property
 
@@ -12,7 +9,7 @@ import numpy as np
 import torch
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class DraftTree:
     """Draft tokens hanging below a root, the last verified token (its KV is not cached yet).
 
@@ -20,22 +17,30 @@ class DraftTree:
     it values them, so every prefix `truncate(n)` is itself a prefix-closed tree, its best of n
     nodes. That is what lets a budget controller size a tree after it was built (children
     sampled after sizing, T > 0, are listed in their parents' order instead).
+
+    The fields are numpy arrays (sequences are taken too): best-first builds a batch's trees
+    as rows of arrays and `pack` stacks them again, so a tree of hundreds of nodes is a view,
+    never a conversion to and from Python numbers.
     """
 
-    tokens: tuple[int, ...]  # [1+N]; tokens[0] is the root token
-    parents: tuple[int, ...]  # [1+N]; parents[0] = -1 and parents[i] < i
-    logq: tuple[float, ...]  # [1+N]; draft log-probability of the path root -> i (root: 0)
-    checked: InitVar[bool] = True  # False: the caller built it parents first (a policy's picks, a prefix), so the O(N) check is skipped
+    tokens: np.ndarray  # [1+N] int64; tokens[0] is the root token
+    parents: np.ndarray  # [1+N] int64; parents[0] = -1 and parents[i] < i
+    logq: np.ndarray  # [1+N] float64; draft log-probability of the path root -> i (root: 0)
+    checked: InitVar[bool] = True  # False: the caller built it from arrays, parents first (a policy's picks, a prefix), so the O(N) check is skipped
 
     @staticmethod
     def root_only(token: int) -> DraftTree:
-        return DraftTree((token,), (-1,), (0.0,))
+        return DraftTree(np.array([token]), ROOT_PARENTS, ROOT_LOGQ, checked=False)
 
     def __post_init__(self, checked: bool):
+        if not checked:
+            return
+        for name, dtype in (("tokens", np.int64), ("parents", np.int64), ("logq", np.float64)):
+            object.__setattr__(self, name, np.asarray(getattr(self, name), dtype))
         if not (len(self.tokens) == len(self.parents) == len(self.logq)) or self.parents[0] != -1:
             raise ValueError("DraftTree needs equal-length tokens/parents/logq with the root at index 0")
         below = self.parents[1:]
-        if checked and below and (min(below) < 0 or not all(map(operator.lt, below, range(1, len(self.parents))))):  # C loops: trees of hundreds of nodes are built every step
+        if not ((below >= 0) & (below < np.arange(1, len(self.parents)))).all():
             raise ValueError("DraftTree parents must precede their children")
 
     @property
@@ -46,7 +51,7 @@ class DraftTree:
     @cached_property
     def depths(self) -> tuple[int, ...]:
         depths = [0]
-        for p in self.parents[1:]:
+        for p in self.parents[1:].tolist():
             depths.append(depths[p] + 1)
         return tuple(depths)
 
@@ -54,14 +59,14 @@ class DraftTree:
     def children(self) -> tuple[tuple[int, ...], ...]:
         """children[i]: the nodes whose parent is i, in tree order."""
         kids: list[list[int]] = [[] for _ in self.tokens]
-        for i, p in enumerate(self.parents[1:], start=1):
+        for i, p in enumerate(self.parents[1:].tolist(), start=1):
             kids[p].append(i)
         return tuple(tuple(k) for k in kids)
 
     def expected_accepted(self) -> float:
         """A_hat: the sum of the nodes' path probabilities, BASTION's surrogate for the number of
         draft tokens a verification accepts."""
-        return sum(map(math.exp, self.logq[1:]))
+        return float(np.exp(self.logq[1:]).sum())
 
     def truncate(self, n_nodes: int) -> DraftTree:
         if n_nodes >= self.n_nodes:
@@ -73,10 +78,13 @@ class DraftTree:
         """Indices from the root to `node`, both included."""
         path = [node]
         while node:
-            node = self.parents[node]
+            node = int(self.parents[node])
             path.append(node)
         return path[::-1]
 
+
+ROOT_PARENTS, ROOT_LOGQ = np.array([-1]), np.array([0.0])  # every root-only tree's, so read-only
+ROOT_PARENTS.flags.writeable = ROOT_LOGQ.flags.writeable = False
 
 BITS = 64  # ancestor bits per int64 word
 
@@ -138,9 +146,10 @@ def pack(trees: list[DraftTree], device, depth: int | None = None) -> tuple[torc
     depths are built there.
     """
     width = max(len(t.tokens) for t in trees)
-    zeros, roots = (0,) * width, (-1,) * width
-    row = (t.tokens + zeros[len(t.tokens):] + t.parents + roots[len(t.tokens):] for t in trees)
-    rows = np.fromiter(itertools.chain.from_iterable(row), np.int64, 2 * width * len(trees))
-    tokens, parents = torch.from_numpy(rows).to(device, non_blocking=True).view(len(trees), 2, width).unbind(1)
+    rows = np.zeros((len(trees), 2, width), np.int64)  # tokens, parents
+    rows[:, 1] = -1
+    for row, tree in zip(rows, trees):
+        row[0, : len(tree.tokens)], row[1, : len(tree.tokens)] = tree.tokens, tree.parents
+    tokens, parents = torch.from_numpy(rows).to(device, non_blocking=True).unbind(1)
     mask, depths = ancestor_masks(parents, depth)
     return tokens, depths, mask, parents

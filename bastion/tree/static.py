@@ -71,7 +71,7 @@ def static(proposal: BlockProposal | TreeProposal, max_nodes: int, shape: str | 
             tree_tokens.append(row_tokens[depth - 1][rank])
             parents.append(parent)
             logq.append(logq[parent] + lp)
-        trees.append(DraftTree(tuple(tree_tokens), tuple(parents), tuple(logq)))
+        trees.append(DraftTree(tree_tokens, parents, logq))
     return trees
 
 
@@ -94,5 +94,5 @@ def follow_ranks(proposal: TreeProposal, paths: list[tuple[int, ...]], max_nodes
             tree_tokens.append(int(row_tokens[c]))
             tree_parents.append(index[path[:-1]])
             tree_logq.append(row_logq[c])
-        trees.append(DraftTree(tuple(tree_tokens), tuple(tree_parents), tuple(tree_logq)))
+        trees.append(DraftTree(tree_tokens, tree_parents, tree_logq))
     return trees
