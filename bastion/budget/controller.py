@@ -103,7 +103,9 @@ class BastionBudget(Budget):
         """For n = 0.. all nodes: per-row node counts [n+1, B], predicted verify time [n+1],
         predicted step time in AR steps [n+1] and predicted speedup over AR S(n) [n+1]."""
         counts, gained = merge_best_first(trees)
-        widths, at = np.unique(counts.max(axis=1), return_inverse=True)  # the padded batch's draft nodes per row
+        widest = counts.max(axis=1)  # [n+1] the padded batch's draft nodes per row, nondecreasing in n
+        grows = np.concatenate([[True], widest[1:] > widest[:-1]])  # np.unique without its sort
+        widths, at = widest[grows], np.cumsum(grows) - 1
         ctx = np.asarray(contexts)[None, :].repeat(len(widths), 0)
         verify = self.latency.predict(1 + widths[:, None].repeat(len(trees), axis=1), ctx)[at]  # priced once per width
         draft_s, other_s = self.draft_s(contexts), self.recent.other_s
@@ -124,10 +126,9 @@ class BastionBudget(Budget):
         self.believed = decay * self.believed + sum(t.expected_accepted() for t in self._sized)  # the trees it priced, not
         # step.expected: sampled children (T > 0) replace them with drawn tokens of lower A_hat
         # the curve's own error: a wrong profile shows there, while measured sizes' corrections hide it
-        forecast = float(self.latency.predict(np.full((1, len(contexts)), width), np.asarray(contexts)[None, :], corrected=False)[0])
-        self.latency.observe_forward([width] * len(contexts), contexts, step.verify_s)
+        error = self.latency.observe_forward([width] * len(contexts), contexts, step.verify_s)
         self._seen += 1
-        self.bias += 0.3 * (math.log(step.verify_s / forecast) - self.bias)
+        self.bias += 0.3 * (error - self.bias)
         self.exploring = abs(self.bias) > math.log(1 + self.tolerance)
         if self.exploring or self._seen % self.refit_every == 0:
             self.latency.fit(fit_shape=self.latency.distinct_sizes() >= 4)
@@ -142,6 +143,9 @@ def merge_best_first(trees: list[DraftTree]) -> tuple[np.ndarray, np.ndarray]:
     taken at the lowest value up to it in its row (a running minimum), and taking nodes by
     decreasing running minimum, ties to the lower row, is that greedy merge (a stable sort of
     the rows laid end to end)."""
+    if len(trees) == 1:  # one row: its nodes in its order (a step at batch 1 should not pay for the sort)
+        values = np.exp(trees[0].logq[1:])
+        return np.arange(len(values) + 1)[:, None], np.concatenate([[0.0], np.cumsum(values)])
     values = [np.exp(t.logq[1:]) for t in trees]
     rows = np.repeat(np.arange(len(trees)), [len(v) for v in values])
     order = np.argsort(-np.concatenate([np.minimum.accumulate(v) for v in values]), kind="stable")

@@ -168,12 +168,16 @@ class LatencyModel:
         self.points.append((flops, moved, seconds))
         del self.points[: -self.max_points]
 
-    def observe_forward(self, new_tokens: list[int], contexts: list[int], seconds: float) -> None:
+    def observe_forward(self, new_tokens: list[int], contexts: list[int], seconds: float) -> float:
+        """Keep a measured forward of new_tokens [rows] after contexts [rows]; returns its log
+        ratio to the curve, uncorrected (the curve's own error at it)."""
         flops, moved = self.cost.flops_bytes(np.asarray(new_tokens), np.asarray(contexts))
-        self.observe(float(flops), float(moved), seconds)
+        flops, moved = float(flops), float(moved)
+        self.observe(flops, moved, seconds)
         kept = self.by_size.setdefault(int(sum(new_tokens)), [])
-        kept.append((float(flops), float(moved), seconds))
+        kept.append((flops, moved, seconds))
         del kept[:-SIZE_POINTS]
+        return math.log(seconds / float(self._predict(self.theta, flops, moved)))
 
 
 def shrunk(residuals: list[np.ndarray]) -> np.ndarray:
