@@ -16,6 +16,7 @@ from bastion.drafters.base import DraftContext
 from bastion.drafters.dflash import DFlashDrafter, evenly_spaced_layers, load_dflash, new_dflash_config
 from bastion.engine import generate
 from bastion.recorder import FeatureRecorder
+from bastion.sampling import Sampling
 from bastion.train.data import file_prompts
 from bastion.train.dflash import chain_aal
 from bastion.train.examples import Example
@@ -143,6 +144,13 @@ def test_draft_vocabulary_limits_drafts_and_round_trips(tiny_llama, tmp_path):
     loaded.reset(1, 64)
     proposal = loaded.propose(DraftContext([prompts[0]], target_features(tiny_llama, prompts[0], (0, 1))[:, :-1], [len(prompts[0]) - 1]))
     assert set(proposal.tokens.flatten().tolist()) <= set(vocab.tolist())
+    # ranked within the draft vocabulary as if over the whole one with -inf elsewhere
+    full = loaded.in_full_vocab(proposal.logits)  # [1, K-1, V]
+    top = torch.log_softmax(full, -1).topk(4, -1)
+    assert torch.equal(proposal.tokens, top.indices)
+    torch.testing.assert_close(proposal.logprobs, top.values, rtol=0, atol=1e-12)
+    sampling = Sampling(temperature=0.8, top_k=20, top_p=0.9)
+    torch.testing.assert_close(proposal.distributions(sampling, 49152), sampling.probs(full), rtol=0, atol=1e-12)
 
 
 @pytest.mark.slow

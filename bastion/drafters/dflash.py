@@ -82,8 +82,8 @@ class DFlashDrafter(nn.Module, DraftVocabulary, Drafter):
         cos, sin = self.rotary(write_pos, x.dtype)  # a block token's position is its cache slot
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, layout, partial(self.cache.write, i, write_pos=write_pos, s_view=layout.n_keys))
-        logits = self.logits(self.norm(x)[:, 1:])  # [B, K-1, V]: the root needs no draft
-        return top_candidates(logits, roots, self.top_k)
+        logits = self.draft_head(self.norm(x)[:, 1:])  # [B, K-1, V']: the root needs no draft
+        return top_candidates(logits, roots, self.top_k, self.draft_vocab)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., h] -> full-vocabulary logits [..., V]; tokens outside the draft vocabulary get -inf."""

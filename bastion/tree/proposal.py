@@ -23,7 +23,8 @@ class BlockProposal:
     roots: list[int]  # [B] last verified token of each row
     tokens: torch.Tensor  # [B, K, k] candidate token ids, best first
     logprobs: torch.Tensor  # [B, K, k] their draft log-probabilities
-    logits: torch.Tensor | None = None  # [B, K, V] full draft logits, when the drafter has them
+    logits: torch.Tensor | None = None  # [B, K, V'] draft logits, when the drafter has them
+    vocab: torch.Tensor | None = None  # [V'] the token ids of the logits' last dimension (None: the whole vocabulary)
 
     @property
     def depth(self) -> int:
@@ -37,11 +38,14 @@ class BlockProposal:
         return tokens.astype(np.int64), logprobs
 
     def distributions(self, sampling: Sampling, vocab_size: int) -> torch.Tensor:
-        """The draft distributions q [B, K, V] that sampled trees are drawn from: the full
-        logits through the same temperature / top-k / top-p as the target, or else the
-        candidates' own probabilities, renormalised."""
+        """The draft distributions q [B, K, V] that sampled trees are drawn from: the logits
+        through the same temperature / top-k / top-p as the target (0 outside a draft
+        vocabulary), or else the candidates' own probabilities, renormalised."""
         if self.logits is not None:
-            return sampling.probs(self.logits)
+            probs = sampling.probs(self.logits)
+            if self.vocab is None:
+                return probs
+            return probs.new_zeros(*probs.shape[:-1], vocab_size).index_copy_(-1, self.vocab, probs)
         probs = torch.zeros(*self.tokens.shape[:2], vocab_size, device=self.tokens.device)
         probs.scatter_add_(-1, self.tokens, self.logprobs.exp().to(probs.dtype))
         return probs / probs.sum(-1, keepdim=True).clamp_min(1e-30)
@@ -63,11 +67,15 @@ class TreeProposal:
     depth: int  # the deepest candidates' depth (the draft steps that grew them): the deepest node a tree drawn from it can have
 
 
-def top_candidates(logits: torch.Tensor, roots: list[int], k: int) -> BlockProposal:
-    """A BlockProposal from draft logits [B, K, V]: the top-k tokens of each position."""
-    logprobs = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
-    top = logprobs.topk(k, dim=-1)
-    return BlockProposal(roots=roots, tokens=top.indices, logprobs=top.values, logits=logits)
+def top_candidates(logits: torch.Tensor, roots: list[int], k: int, vocab: torch.Tensor | None = None) -> BlockProposal:
+    """A BlockProposal from draft logits [B, K, V'] over the tokens `vocab` [V'] (None: the
+    whole vocabulary): the top-k tokens of each position. A draft vocabulary's logits are
+    ranked as they are, not spread over the whole vocabulary with -inf elsewhere first (the
+    same candidates, for a sixth of the softmax and top-k at 8192 of 49152 tokens)."""
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    top = torch.log_softmax(logits, dim=-1).topk(k, dim=-1)
+    tokens = top.indices if vocab is None else vocab[top.indices]
+    return BlockProposal(roots=roots, tokens=tokens, logprobs=top.values, logits=logits, vocab=vocab)
 
 
 def matched_prefix(drafts: torch.Tensor, truth: torch.Tensor) -> int:
