@@ -220,8 +220,7 @@ def _step(m: _Method, batch: _Batch) -> Step:
         trees, draft_probs = [DraftTree.root_only(seq[-1]) for seq in ctx.sequences], None
     else:
         trees, draft_probs = _draft_trees(m, proposal, contexts)
-    depth = 0 if proposal is None else proposal.depth  # no tree is deeper
-    tokens, depths, tree_mask, parents = pack(trees, device, depth)
+    tokens, depths, tree_mask, parents, depth = pack(trees, device)  # depth: the deepest node's
     t2 = clock.mark()
     if proposal is None:
         hidden, features = m.target.forward(tokens, depths, tree_mask, cache, m.capture)

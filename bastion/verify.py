@@ -44,7 +44,7 @@ def verify_greedy(choice: torch.Tensor, trees: list[DraftTree], tokens: torch.Te
     verdicts = []
     for tree, (node, bonus) in zip(trees, out):
         path = tree.path(node)
-        verdicts.append(Verdict(path, tree.tokens[path[1:]].tolist() + [bonus]))
+        verdicts.append(Verdict(path, [int(tree.tokens[i]) for i in path[1:]] + [bonus]))  # a few nodes: no array of them
     return verdicts
 
 
@@ -76,7 +76,6 @@ def verify_sampled(
     depth x most children rounds), and the paths come back in one transfer."""
     B, device = len(trees), tokens.device
     most = max((len(kids) for tree in trees for kids in tree.children), default=0)
-    depth = min(depth, max(max(tree.depths) for tree in trees))  # levels below the deepest node only spend launches
     rows = torch.arange(B, device=device)
     node, live = torch.zeros(B, dtype=torch.long, device=device), torch.ones(B, dtype=torch.bool, device=device)
     p, bonus, steps = target_probs(node), torch.zeros(B, dtype=torch.long, device=device), []
@@ -136,7 +135,7 @@ def sample_children(trees: list[DraftTree], draft_probs: torch.Tensor, generator
     drawn = iter(torch.cat(chunks).tolist())  # one transfer: per parent, its draws and their log q
     sampled = []
     for tree in trees:
-        tokens, tree_parents, tree_logq, renumbered = [int(tree.tokens[0])], [-1], [0.0], {0: 0}
+        tokens, tree_parents, tree_logq, tree_depths, renumbered = [int(tree.tokens[0])], [-1], [0.0], [0], {0: 0}
         for node, kids in enumerate(tree.children):
             if not kids:
                 continue
@@ -150,5 +149,6 @@ def sample_children(trees: list[DraftTree], draft_probs: torch.Tensor, generator
                 tokens.append(int(x))
                 tree_parents.append(renumbered[node])
                 tree_logq.append(tree_logq[renumbered[node]] + qx)
-        sampled.append(DraftTree(tokens, tree_parents, tree_logq))
+                tree_depths.append(tree_depths[renumbered[node]] + 1)
+        sampled.append(DraftTree(tokens, tree_parents, tree_logq, known_depths=tree_depths))
     return sampled

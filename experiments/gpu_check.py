@@ -332,7 +332,7 @@ def attention_inputs(s: Scale, B: int, N: int, seed: int):
     q = torch.randn(B, args.n_heads, N, args.head_dim, generator=g, device=s.device).to(s.dtype)
     k, v = (torch.randn(B, args.n_kv_heads, S, args.head_dim, generator=g, device=s.device).to(s.dtype)
             for _ in range(2))
-    _, _, tree, _ = pack(random_trees(B, N, vocab=1, seed=seed), s.device)  # [B, N, N]
+    _, _, tree, *_ = pack(random_trees(B, N, vocab=1, seed=seed), s.device)  # [B, N, N]
     return q, k, v, Layout(prefix, tree, N, S, "sdpa")
 
 
@@ -341,7 +341,7 @@ def verify_inputs(target: Target, B: int, N: int, context: int):
     nothing) and a random tree of N tokens per row: forward's arguments."""
     cache = target.new_cache(B, context + N)
     cache.lengths = [context] * B
-    tokens, depths, mask, _ = pack(random_trees(B, N, target.args.vocab_size, seed=N), target.device)
+    tokens, depths, mask, *_ = pack(random_trees(B, N, target.args.vocab_size, seed=N), target.device)
     return tokens, depths, mask, cache
 
 

@@ -49,7 +49,7 @@ def test_parallel_group_equals_the_sequential_draft(tiny_qwen3, node):
     drafter = random_flexdraft(tiny_qwen3, threshold=0.0)
     prefix = list(range(400, 420))
     cache = committed_cache(tiny_qwen3, prefix)
-    tokens, depths, mask, _ = pack([TREE], "cpu")
+    tokens, depths, mask, *_ = pack([TREE], "cpu")
     hidden, _ = drafter.verify_and_draft(cache, [TREE], tokens, depths, mask)
     # verification sees exactly what a plain target forward sees
     plain = committed_cache(tiny_qwen3, prefix)

@@ -56,7 +56,7 @@ def test_tree_forward_equals_sequential(tiny_qwen3):
     n = len(prefix)
     tiny_qwen3.forward(torch.tensor([prefix]), torch.arange(n)[None], torch.ones(1, n, n, dtype=torch.bool).tril(), cache)
     cache.commit([list(range(n))])
-    tokens, depths, mask, _ = pack([tree], "cpu")
+    tokens, depths, mask, *_ = pack([tree], "cpu")
     hidden, _ = tiny_qwen3.forward(tokens, depths, mask, cache)
     logits = tiny_qwen3.logits(hidden)[0]
     for node in range(len(tree.tokens)):

@@ -36,18 +36,18 @@ def test_ancestor_mask_and_depths_match_hand_built_reference():
         [T, F, T, F, F, T, F],
         [T, T, F, T, F, F, T],
     ])
-    assert torch.equal(ancestor_masks(torch.tensor(TREE.parents)[None])[0][0], expected)
-    assert TREE.depths == (0, 1, 1, 2, 2, 2, 3)
+    assert torch.equal(ancestor_masks(torch.tensor(TREE.parents)[None])[0], expected)
+    assert TREE.depths.tolist() == [0, 1, 1, 2, 2, 2, 3]
     assert TREE.path(6) == [0, 1, 3, 6]
     assert TREE.children[1] == (3, 4)
 
 
 def test_pack_pads_rows_that_see_only_themselves():
     small = DraftTree((20, 21), (-1, 0), (0.0, -1.0))
-    tokens, depths, mask, parents = pack([TREE, small], "cpu")
-    assert tokens.tolist() == [[10, 11, 12, 13, 14, 15, 16], [20, 21, 0, 0, 0, 0, 0]]
+    tokens, depths, mask, parents, depth = pack([TREE, small], "cpu")
+    assert depth == 3 and tokens.tolist() == [[10, 11, 12, 13, 14, 15, 16], [20, 21, 0, 0, 0, 0, 0]]
     assert depths.tolist() == [[0, 1, 1, 2, 2, 2, 3], [0, 1, 0, 0, 0, 0, 0]]
-    assert torch.equal(mask[0], ancestor_masks(torch.tensor(TREE.parents)[None])[0][0])
+    assert torch.equal(mask[0], ancestor_masks(torch.tensor(TREE.parents)[None])[0])
     assert torch.equal(mask[1, :2, :2], torch.tensor([[True, False], [True, True]]))
     assert torch.equal(mask[1, 2:], torch.eye(7, dtype=torch.bool)[2:])
     assert parents.tolist() == [[-1, 0, 0, 1, 1, 2, 3], [-1, 0, -1, -1, -1, -1, -1]]
@@ -61,20 +61,21 @@ def test_packed_masks_and_depths_of_big_trees_match_the_trees_own(seed):
     for n in (300, 130, 64):
         parents = [-1, *(int(rng.integers(0, i)) for i in range(1, n))]
         trees.append(DraftTree(tuple(range(n)), tuple(parents), (0.0,) * n))
-    tokens, depths, mask, parents = pack(trees, "cpu")
+    tokens, depths, mask, parents, depth = pack(trees, "cpu")
+    assert depth == max(t.depths.max() for t in trees)
     for b, tree in enumerate(trees):
         n = len(tree.tokens)
         expected = torch.zeros(n, n, dtype=torch.bool)
         for i in range(n):
             expected[i, tree.path(i)] = True
-        assert torch.equal(mask[b, :n, :n], expected) and depths[b, :n].tolist() == list(tree.depths)
+        assert torch.equal(mask[b, :n, :n], expected) and depths[b, :n].tolist() == tree.depths.tolist()
         assert not mask[b, n:, :n].any() and not mask[b, :n, n:].any() and depths[b, n:].eq(0).all()
 
 
 def test_trees_of_a_known_depth_pack_and_verify_in_fewer_rounds():
-    """Pointer doubling bounded by the trees' depth (5 rounds for depth 16, where M = 300 would
-    take 9) builds the same masks and accepts the same paths; a depth below the trees' own
-    leaves out their deepest ancestors (so the bound is what decides the rounds)."""
+    """Pointer doubling bounded by the trees' depth (pack's: 5 rounds for depth 16, where M = 300
+    would take 9) builds the same masks and accepts the same paths; a depth below the trees'
+    own leaves out their deepest ancestors (so the bound is what decides the rounds)."""
     rng = np.random.default_rng(0)
     trees = []
     for n in (300, 90):  # random trees no deeper than 16
@@ -85,13 +86,11 @@ def test_trees_of_a_known_depth_pack_and_verify_in_fewer_rounds():
             parents.append(p)
             depths.append(depths[p] + 1)
         trees.append(DraftTree(tuple(int(t) for t in rng.integers(0, 5, n)), tuple(parents), (0.0,) * n))
-    assert max(max(t.depths) for t in trees) == 16
-    full, bounded = pack(trees, "cpu"), pack(trees, "cpu", 16)
-    assert all(torch.equal(a, b) for a, b in zip(full, bounded))
-    tokens, depths, _, parents = full
+    tokens, depths, mask, parents, depth = pack(trees, "cpu")
+    assert depth == 16 and torch.equal(mask, ancestor_masks(parents))
     choice = torch.from_numpy(rng.integers(0, 5, tokens.shape))
     assert verify_greedy(choice, trees, tokens, depths, parents, 16) == verify_greedy(choice, trees, tokens, depths, parents)
-    assert not torch.equal(pack(trees, "cpu", 7)[2], full[2])
+    assert not torch.equal(ancestor_masks(parents, 7), mask)
 
 
 def test_ranked_is_a_stable_descending_sort():
@@ -196,6 +195,8 @@ def test_best_first_of_a_batch_equals_a_heap_search(n):
             depth = len(ranks[tree.parents[i]])
             ranks.append((*ranks[tree.parents[i]], int((tokens[b, depth] == tree.tokens[i]).nonzero()[0])))
         assert ranks[1:] == paths
+        assert tree.depths.tolist() == [len(r) for r in ranks]  # given by best-first, and kept by a prefix
+        assert tree.truncate(n // 2).depths.tolist() == [len(r) for r in ranks[: n // 2 + 1]]
         assert tree.logq[1:] == pytest.approx([sum(logprobs[b, d, r].item() for d, r in enumerate(p)) for p in paths], abs=1e-5)
 
 

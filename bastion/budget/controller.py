@@ -97,7 +97,7 @@ class BastionBudget(Budget):
         the last, and may still grow by a level each step (the first step: max_nodes)."""
         if not self._sized:
             return self.max_nodes
-        return min(self.max_nodes, 1 + max(max(t.depths) for t in self._sized))
+        return min(self.max_nodes, 1 + max(int(t.depths.max()) for t in self._sized))
 
     def curve(self, trees: list[DraftTree], contexts: list[int]):
         """For n = 0.. all nodes: per-row node counts [n+1, B], predicted verify time [n+1],

@@ -27,12 +27,15 @@ class DraftTree:
     parents: np.ndarray  # [1+N] int64; parents[0] = -1 and parents[i] < i
     logq: np.ndarray  # [1+N] float64; draft log-probability of the path root -> i (root: 0)
     checked: InitVar[bool] = True  # False: the caller built it from arrays, parents first (a policy's picks, a prefix), so the O(N) check is skipped
+    known_depths: InitVar[np.ndarray | None] = None  # [1+N] the nodes' depths, where the builder knows them (else `depths` walks the parents)
 
     @staticmethod
     def root_only(token: int) -> DraftTree:
-        return DraftTree(np.array([token]), ROOT_PARENTS, ROOT_LOGQ, checked=False)
+        return DraftTree(np.array([token]), ROOT_PARENTS, ROOT_LOGQ, checked=False, known_depths=ROOT_DEPTHS)
 
-    def __post_init__(self, checked: bool):
+    def __post_init__(self, checked: bool, known_depths: np.ndarray | None):
+        if known_depths is not None:
+            self.__dict__["depths"] = np.asarray(known_depths, np.int64)  # the cached property's value, given
         if not checked:
             return
         for name, dtype in (("tokens", np.int64), ("parents", np.int64), ("logq", np.float64)):
@@ -49,11 +52,12 @@ class DraftTree:
         return len(self.tokens) - 1
 
     @cached_property
-    def depths(self) -> tuple[int, ...]:
+    def depths(self) -> np.ndarray:
+        """[1+N] int64: each node's depth below the root (the root's 0)."""
         depths = [0]
         for p in self.parents[1:].tolist():
             depths.append(depths[p] + 1)
-        return tuple(depths)
+        return np.array(depths)
 
     @cached_property
     def children(self) -> tuple[tuple[int, ...], ...]:
@@ -72,7 +76,8 @@ class DraftTree:
         if n_nodes >= self.n_nodes:
             return self
         k = n_nodes + 1
-        return DraftTree(self.tokens[:k], self.parents[:k], self.logq[:k], checked=False)
+        known = self.__dict__.get("depths")
+        return DraftTree(self.tokens[:k], self.parents[:k], self.logq[:k], checked=False, known_depths=None if known is None else known[:k])
 
     def path(self, node: int) -> list[int]:
         """Indices from the root to `node`, both included."""
@@ -83,8 +88,8 @@ class DraftTree:
         return path[::-1]
 
 
-ROOT_PARENTS, ROOT_LOGQ = np.array([-1]), np.array([0.0])  # every root-only tree's, so read-only
-ROOT_PARENTS.flags.writeable = ROOT_LOGQ.flags.writeable = False
+ROOT_PARENTS, ROOT_LOGQ, ROOT_DEPTHS = np.array([-1]), np.array([0.0]), np.array([0])  # every root-only tree's, so read-only
+ROOT_PARENTS.flags.writeable = ROOT_LOGQ.flags.writeable = ROOT_DEPTHS.flags.writeable = False
 
 BITS = 64  # ancestor bits per int64 word
 
@@ -96,12 +101,12 @@ def _bit_table(device) -> torch.Tensor:
     return (torch.arange(256, device=device)[:, None] >> torch.arange(8, device=device) & 1).bool().view(torch.int64)[:, 0]
 
 
-def ancestor_masks(parents: torch.Tensor, depth: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def ancestor_masks(parents: torch.Tensor, depth: int | None = None) -> torch.Tensor:
     """parents [B, M] (-1: a root, or a padding slot) -> the masks [B, M, M] bool, True where j
-    is i or an ancestor of i, and the depths [B, M]. Pointer doubling: after round r every node
-    holds its ancestors up to 2^r - 1 levels up (and how many levels up it now points), so
-    doubling_rounds(depth) rounds of whole-tensor ops build trees no deeper than `depth` (any
-    tree: M - 1), with no per-node work and no look at the values on the host. The rounds
+    is i or an ancestor of i. Pointer doubling: after round r every node holds its ancestors
+    up to 2^r - 1 levels up, so doubling_rounds(depth) rounds of whole-tensor ops build trees
+    no deeper than `depth` (any tree: M - 1), with no per-node work and no look at the values
+    on the host. The rounds
     merge ancestor sets packed 64 to an int64 word, 64x less data than bool rows (6x faster at
     M=257 on a CPU), a node's words fetched as one row of the batch's [B x M, W] table
     (`index_select`), and unpacked a byte at a time through a table (little-endian bytes, as on
@@ -110,16 +115,13 @@ def ancestor_masks(parents: torch.Tensor, depth: int | None = None) -> tuple[tor
     device = parents.device
     slots = torch.arange(M, device=device)
     jump = torch.where(parents < 0, slots.expand(B, M), parents)  # [B, M]: 2^r levels up (a root stays put)
-    levels = (parents >= 0).long()  # [B, M]: how many levels up `jump` is
     words = _own_bits(M, device).repeat(B, 1)  # [B x M, W]: each node is its own ancestor
     row_start = torch.arange(0, B * M, M, device=device)[:, None]  # [B, 1]: a row's first node in the table
     for _ in range(doubling_rounds(M - 1 if depth is None else depth)):
         words |= words.index_select(0, (jump + row_start).view(-1))
-        levels = levels + levels.gather(1, jump)
         jump = jump.gather(1, jump)
     table_rows = words.view(torch.uint8).view(-1).int()  # int32 indices: half the memory of int64 ones, and faster
-    masks = _bit_table(device).index_select(0, table_rows).view(torch.bool).view(B, M, -1)[:, :, :M]  # bytes [B, M, 8W] -> [B, M, M]
-    return masks, levels
+    return _bit_table(device).index_select(0, table_rows).view(torch.bool).view(B, M, -1)[:, :, :M]  # bytes [B, M, 8W] -> [B, M, M]
 
 
 @cache
@@ -137,19 +139,22 @@ def doubling_rounds(depth: int) -> int:
     return max(depth, 1).bit_length()
 
 
-def pack(trees: list[DraftTree], device, depth: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Stack trees of different sizes (none deeper than `depth`, when given) for one target forward.
+def pack(trees: list[DraftTree], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Stack trees of different sizes for one target forward.
 
-    Returns tokens [B, M], depths [B, M], the tree mask [B, M, M] and parents [B, M] (-1 at
-    the roots), M = largest 1+N. Padding slots are roots that see only themselves (so no
-    attention row is empty) and nothing sees them. One copy to the device; the masks and
-    depths are built there.
+    Returns tokens [B, M], depths [B, M], the tree mask [B, M, M], parents [B, M] (-1 at the
+    roots), M = largest 1+N, and the deepest node's depth: it bounds the pointer-doubling
+    rounds here and in acceptance, and best-first's trees are mostly far shallower than the
+    block they grow from. The depths come from the trees (policies know them), not from
+    doubling on the device. Padding slots are roots that see only themselves (so no attention
+    row is empty) and nothing sees them. One copy to the device; the masks are built there.
     """
     width = max(len(t.tokens) for t in trees)
-    rows = np.zeros((len(trees), 2, width), np.int64)  # tokens, parents
+    rows = np.zeros((len(trees), 3, width), np.int64)  # tokens, parents, depths
     rows[:, 1] = -1
     for row, tree in zip(rows, trees):
-        row[0, : len(tree.tokens)], row[1, : len(tree.tokens)] = tree.tokens, tree.parents
-    tokens, parents = torch.from_numpy(rows).to(device, non_blocking=True).unbind(1)
-    mask, depths = ancestor_masks(parents, depth)
-    return tokens, depths, mask, parents
+        n = len(tree.tokens)
+        row[0, :n], row[1, :n], row[2, :n] = tree.tokens, tree.parents, tree.depths
+    depth = int(rows[:, 2].max())
+    tokens, parents, depths = torch.from_numpy(rows).to(device, non_blocking=True).unbind(1)
+    return tokens, depths, ancestor_masks(parents, depth), parents, depth

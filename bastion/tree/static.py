@@ -85,7 +85,7 @@ def follow_ranks(proposal: TreeProposal, paths: list[tuple[int, ...]], max_nodes
         child = {(int(p), int(r)): c for c, (p, r, lq) in enumerate(zip(row_parents, row_ranks, row_logq)) if c and lq > -math.inf}
         index = {(): 0}  # rank path -> node
         where = {(): 0}  # rank path -> candidate
-        tree_tokens, tree_parents, tree_logq = [int(row_tokens[0])], [-1], [0.0]
+        tree_tokens, tree_parents, tree_logq, tree_depths = [int(row_tokens[0])], [-1], [0.0], [0]
         for path in paths:
             if len(tree_tokens) > max_nodes or path[:-1] not in where or (where[path[:-1]], path[-1]) not in child:
                 continue
@@ -94,5 +94,6 @@ def follow_ranks(proposal: TreeProposal, paths: list[tuple[int, ...]], max_nodes
             tree_tokens.append(int(row_tokens[c]))
             tree_parents.append(index[path[:-1]])
             tree_logq.append(row_logq[c])
-        trees.append(DraftTree(tree_tokens, tree_parents, tree_logq))
+            tree_depths.append(len(path))
+        trees.append(DraftTree(tree_tokens, tree_parents, tree_logq, known_depths=tree_depths))
     return trees
