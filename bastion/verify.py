@@ -120,7 +120,8 @@ def sample_children(trees: list[DraftTree], draft_probs: torch.Tensor, generator
     draft_probs: [B, K, V], row d being q for depth d + 1. A node keeps at most as many children
     as q has tokens of nonzero probability; dropped children take their subtrees with them.
     """
-    parents = [(b, node, tree.depths[node]) for b, tree in enumerate(trees) for node, kids in enumerate(tree.children) if kids]
+    parents = [(b, node, depth) for b, tree in enumerate(trees)
+               for node, (kids, depth) in enumerate(zip(tree.children, tree.depths.tolist())) if kids]
     if not parents:
         return trees
     most = max(len(kids) for tree in trees for kids in tree.children)

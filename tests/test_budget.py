@@ -52,7 +52,9 @@ def test_fit_recovers_the_parameters_that_made_the_times():
     truth = synthetic_truth(TRUE_CPU)
     model = synthetic_truth([math.log(0.001), 0.0, 0.0, math.log(7.0)])  # starts far off
     for n in (1, 2, 4, 8, 16, 32, 64, 128, 256):
-        model.observe_forward([n], [256], float(truth.predict(np.array([n]), np.array([256]))))
+        seconds = float(truth.predict(np.array([n]), np.array([256])))
+        error = model.observe_forward([n], [256], seconds)  # the curve's own error at it, before this point refits it
+        assert error == pytest.approx(math.log(seconds / float(model.predict(np.array([n]), np.array([256]), corrected=False))))
     model.fit(fit_shape=True, prior_weight=1e-6)
     sizes = np.arange(1, 300)[:, None]
     errors = np.abs(model.predict(sizes, np.full_like(sizes, 256)) / truth.predict(sizes, np.full_like(sizes, 256)) - 1)

@@ -150,7 +150,7 @@ def test_draft_vocabulary_limits_drafts_and_round_trips(tiny_llama, tmp_path):
     assert torch.equal(proposal.tokens, top.indices)
     torch.testing.assert_close(proposal.logprobs, top.values, rtol=0, atol=1e-12)
     sampling = Sampling(temperature=0.8, top_k=20, top_p=0.9)
-    torch.testing.assert_close(proposal.distributions(sampling, 49152), sampling.probs(full), rtol=0, atol=1e-12)
+    torch.testing.assert_close(proposal.distributions(sampling, tiny_llama.args.vocab_size), sampling.probs(full), rtol=0, atol=1e-12)
 
 
 @pytest.mark.slow

@@ -106,6 +106,15 @@ def test_tree_rejects_children_before_parents():
         DraftTree((1, 2, 3), (-1, 2, 0), (0.0, 0.0, 0.0))
 
 
+def test_tree_rejects_depths_its_parents_contradict():
+    """Given depths are what pack sends for positions and what bounds its rounds: a policy's
+    wrong ones are refused where the tree is checked, not decoded."""
+    assert DraftTree((1, 2, 3), (-1, 0, 1), (0.0, -1.0, -2.0), known_depths=[0, 1, 2]).depths.tolist() == [0, 1, 2]
+    for depths in ([0, 1, 1], [0, 1], [1, 2, 3]):
+        with pytest.raises(ValueError, match="depths"):
+            DraftTree((1, 2, 3), (-1, 0, 1), (0.0, -1.0, -2.0), known_depths=depths)
+
+
 def test_best_first_refuses_a_child_that_scores_above_its_parent():
     """Its trees are built unchecked; a drafter whose log-probabilities rise along a path would
     make a picked node's parent unpicked (a second root that every verifier accepts)."""

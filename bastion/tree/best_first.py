@@ -62,7 +62,7 @@ def best_first(proposal: BlockProposal | TreeProposal, max_nodes: int) -> list[D
         parents.append(slot[top] + beam_start)
         candidates.append(tokens[rows, depth, rank[top]])
         beam_start, n_seen = n_seen, n_seen + width
-    depths = np.repeat(np.arange(len(scores)), [beam.shape[1] for beam in scores])  # [C]: each column's depth
+    depths = np.repeat(np.arange(len(scores)), [level.shape[1] for level in scores])  # [C]: each column's depth
     return best_nodes(np.concatenate(scores, 1), np.concatenate(parents, 1), np.concatenate(candidates, 1), max_nodes, depths)
 
 

@@ -23,5 +23,5 @@ def chain(proposal: BlockProposal | TreeProposal, max_nodes: int) -> list[DraftT
             tree_tokens.append(token)
             parents.append(len(parents) - 1)
             logq.append(logq[-1] + lp)
-        trees.append(DraftTree(tree_tokens, parents, logq))
+        trees.append(DraftTree(tree_tokens, parents, logq, known_depths=range(len(tree_tokens))))
     return trees

@@ -45,6 +45,9 @@ class DraftTree:
         below = self.parents[1:]
         if not ((below >= 0) & (below < np.arange(1, len(self.parents)))).all():
             raise ValueError("DraftTree parents must precede their children")
+        depths = self.__dict__.get("depths")  # given: pack trusts them for positions and masks' rounds
+        if depths is not None and (len(depths) != len(self.parents) or depths[0] != 0 or (depths[1:] != depths[below] + 1).any()):
+            raise ValueError("DraftTree depths must be each parent's depth + 1, the root's 0")
 
     @property
     def n_nodes(self) -> int:
@@ -57,7 +60,7 @@ class DraftTree:
         depths = [0]
         for p in self.parents[1:].tolist():
             depths.append(depths[p] + 1)
-        return np.array(depths)
+        return np.array(depths, np.int64)
 
     @cached_property
     def children(self) -> tuple[tuple[int, ...], ...]:
@@ -106,11 +109,10 @@ def ancestor_masks(parents: torch.Tensor, depth: int | None = None) -> torch.Ten
     is i or an ancestor of i. Pointer doubling: after round r every node holds its ancestors
     up to 2^r - 1 levels up, so doubling_rounds(depth) rounds of whole-tensor ops build trees
     no deeper than `depth` (any tree: M - 1), with no per-node work and no look at the values
-    on the host. The rounds
-    merge ancestor sets packed 64 to an int64 word, 64x less data than bool rows (6x faster at
-    M=257 on a CPU), a node's words fetched as one row of the batch's [B x M, W] table
-    (`index_select`), and unpacked a byte at a time through a table (little-endian bytes, as on
-    every CPU and GPU torch runs on)."""
+    on the host. The rounds merge ancestor sets packed 64 to an int64 word, 64x less data than
+    bool rows (experiments/NOTES.md), a node's words fetched as one row of the batch's
+    [B x M, W] table (`index_select`), and unpacked a byte at a time through a table
+    (little-endian bytes, as on every CPU and GPU torch runs on)."""
     B, M = parents.shape
     device = parents.device
     slots = torch.arange(M, device=device)

@@ -69,11 +69,11 @@ class TreeProposal:
 
 def top_candidates(logits: torch.Tensor, roots: list[int], k: int, vocab: torch.Tensor | None = None) -> BlockProposal:
     """A BlockProposal from draft logits [B, K, V'] over the tokens `vocab` [V'] (None: the
-    whole vocabulary): the top-k tokens of each position. A draft vocabulary's logits are
-    ranked as they are, not spread over the whole vocabulary with -inf elsewhere first (the
-    same candidates, for a sixth of the softmax and top-k at 8192 of 49152 tokens)."""
+    whole vocabulary): the top-k tokens of each position (all V' where k > V'). A draft
+    vocabulary's logits are ranked as they are: spread over the whole vocabulary with -inf
+    elsewhere they give the same candidates, for a softmax and top-k over V tokens, not V'."""
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    top = torch.log_softmax(logits, dim=-1).topk(k, dim=-1)
+    top = torch.log_softmax(logits, dim=-1).topk(min(k, logits.shape[-1]), dim=-1)
     tokens = top.indices if vocab is None else vocab[top.indices]
     return BlockProposal(roots=roots, tokens=tokens, logprobs=top.values, logits=logits, vocab=vocab)
 

@@ -58,7 +58,7 @@ def static(proposal: BlockProposal | TreeProposal, max_nodes: int, shape: str | 
     trees = []
     for root, row_tokens, row_logprobs in zip(proposal.roots, tokens, logprobs):
         index = {(): 0}
-        tree_tokens, parents, logq = [root], [-1], [0.0]
+        tree_tokens, parents, logq, depths = [root], [-1], [0.0], [0]
         for path in paths:
             depth, rank = len(path), path[-1]
             if len(tree_tokens) > max_nodes or path[:-1] not in index or depth > K or rank >= k:
@@ -71,7 +71,8 @@ def static(proposal: BlockProposal | TreeProposal, max_nodes: int, shape: str | 
             tree_tokens.append(row_tokens[depth - 1][rank])
             parents.append(parent)
             logq.append(logq[parent] + lp)
-        trees.append(DraftTree(tree_tokens, parents, logq))
+            depths.append(depth)
+        trees.append(DraftTree(tree_tokens, parents, logq, known_depths=depths))
     return trees
 
 
