@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import random
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -67,6 +68,7 @@ def test_cached_tree_drafting_equals_a_plain_forward_of_each_path(tiny_qwen3, dr
             while node > 0:
                 path.insert(0, tree_tokens[node])
                 node = parents[node]
+            assert proposal.depths[c] == len(path) + 1
             expected = reference_children(drafter, tiny_qwen3, tokens[:21], path)
             draft_id = int(torch.arange(len(drafter.d2t))[torch.arange(len(drafter.d2t)) + drafter.d2t == tree_tokens[c]][0])
             parent_logq = logq[parents[c]] if parents[c] > 0 else 0.0
@@ -78,9 +80,11 @@ def test_best_first_takes_the_likeliest_candidates_and_chain_follows_top_ranks()
     tokens = torch.tensor([[5, 6, 7, 8, 9]])
     parents = torch.tensor([[-1, 0, 0, 1, 1]])
     logq = torch.tensor([[1.0, 0.6, 0.3, 0.3, 0.24]]).log()
-    proposal = TreeProposal([5], tokens, parents, logq, torch.tensor([[0, 0, 1, 0, 1]]), depth=2)
+    proposal = TreeProposal([5], tokens, parents, logq, torch.tensor([[0, 0, 1, 0, 1]]), np.array([0, 1, 1, 2, 2]))
     (tree,) = best_first(proposal, 3)
     assert tree.tokens.tolist() == [5, 6, 7, 8] and tree.parents.tolist() == [-1, 0, 0, 1]  # .6, then .3 twice: the earlier first
+    assert tree.depths.tolist() == [0, 1, 1, 2]  # the proposal's column depths, carried to pack
+    assert tree.depths.tolist() == [0, 1, 1, 2]  # carried from the candidates' columns, not walked again by pack
     (tree,) = chain(proposal, 5)
     assert tree.tokens.tolist() == [5, 6, 8] and tree.parents.tolist() == [-1, 0, 1]
     (tree,) = static(proposal, 5, [[1], [0], [0, 1], [1, 0]])  # [1, 0] was never grown: skipped
@@ -152,7 +156,7 @@ class OracleEagle3(Eagle3Drafter):
                     on_path[c] = depth + 1
                 elif tokens[b, c] == truth[depth]:
                     tokens[b, c] = 3  # a decoy, not the truth at another rank
-        return TreeProposal(proposal.roots, tokens, proposal.parents, proposal.logq, proposal.ranks, proposal.depth)
+        return TreeProposal(proposal.roots, tokens, proposal.parents, proposal.logq, proposal.ranks, proposal.depths)
 
 
 @pytest.mark.parametrize("policy", ["best_first", "chain", "static"])

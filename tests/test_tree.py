@@ -119,12 +119,12 @@ def test_best_first_refuses_a_child_that_scores_above_its_parent():
     """Its trees are built unchecked; a drafter whose log-probabilities rise along a path would
     make a picked node's parent unpicked (a second root that every verifier accepts)."""
     tokens, parents, logq = torch.tensor([[5, 6, 7]]), torch.tensor([[-1, 0, 1]]), torch.tensor([[0.0, -1.0, -0.5]])
-    rising = TreeProposal([5], tokens, parents, logq, torch.zeros(1, 3, dtype=torch.long), depth=2)
+    rising = TreeProposal([5], tokens, parents, logq, torch.zeros(1, 3, dtype=torch.long), np.array([0, 1, 2]))
     for n in (1, 2):  # the child alone, or listed before its parent
         with pytest.raises(ValueError, match="scores above its parent"):
             best_first(rising, n)
     siblings = torch.tensor([[-1, 0, 0]])  # above the root, in an order a sort of magnitudes would pass
-    above_zero = TreeProposal([5], tokens, siblings, torch.tensor([[0.0, 0.5, 0.2]]), torch.zeros(1, 3, dtype=torch.long), depth=1)
+    above_zero = TreeProposal([5], tokens, siblings, torch.tensor([[0.0, 0.5, 0.2]]), torch.zeros(1, 3, dtype=torch.long), np.array([0, 1, 1]))
     with pytest.raises(ValueError, match="log-probability above 0"):
         best_first(above_zero, 2)
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 from functools import partial
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 from transformers import AutoConfig
@@ -139,7 +140,8 @@ class Eagle3Drafter(nn.Module, Drafter):
             beam_tokens = ids.flatten(1).gather(1, top.indices)
             beam_feature = out.gather(1, slot[..., None].expand(-1, -1, h))
             sees = torch.cat([sees.gather(1, slot[..., None].expand(-1, -1, E)), itself], 2)
-        return TreeProposal(roots, torch.cat(tokens, 1), torch.cat(parents, 1), torch.cat(logq, 1), torch.cat(ranks, 1), depth)
+        depths = np.repeat(np.arange(depth + 1), [1, k] + [k * k] * (depth - 1))  # [C]: the root, k children, then k * k a step
+        return TreeProposal(roots, torch.cat(tokens, 1), torch.cat(parents, 1), torch.cat(logq, 1), torch.cat(ranks, 1), depths)
 
     def _append_context(self, ctx: DraftContext) -> torch.Tensor:
         """Run the newly verified positions (their target features beside the token after each)

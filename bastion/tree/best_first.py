@@ -35,7 +35,7 @@ def best_first(proposal: BlockProposal | TreeProposal, max_nodes: int) -> list[D
     if isinstance(proposal, TreeProposal):
         columns = [proposal.logq.double(), proposal.parents.double(), proposal.tokens.double()]
         logq, parents, tokens = torch.stack(columns).cpu().numpy()  # one transfer
-        return best_nodes(logq.astype(np.float32), parents.astype(np.int64), tokens.astype(np.int64), max_nodes)
+        return best_nodes(logq.astype(np.float32), parents.astype(np.int64), tokens.astype(np.int64), max_nodes, proposal.depths)
     B, K, k = proposal.tokens.shape
     if max_nodes < 1 or K == 0:
         return [DraftTree.root_only(root) for root in proposal.roots]
@@ -66,12 +66,11 @@ def best_first(proposal: BlockProposal | TreeProposal, max_nodes: int) -> list[D
     return best_nodes(np.concatenate(scores, 1), np.concatenate(parents, 1), np.concatenate(candidates, 1), max_nodes, depths)
 
 
-def best_nodes(scores: np.ndarray, parents: np.ndarray, tokens: np.ndarray, max_nodes: int,
-               depths: np.ndarray | None = None) -> list[DraftTree]:
+def best_nodes(scores: np.ndarray, parents: np.ndarray, tokens: np.ndarray, max_nodes: int, depths: np.ndarray) -> list[DraftTree]:
     """The root and the max_nodes candidates of highest path score, best first, as trees.
     scores (float32), parents, tokens: [B, C] candidates, the root (column 0) and every parent
     before its children; a child never scores above its parent, so the picks are prefix-closed.
-    depths: [C] each column's depth, where every row's are the same (a beam per depth)."""
+    depths: [C] each column's depth, alike in every row (a beam, or a draft step, per depth)."""
     (B, C), rows = scores.shape, np.arange(len(scores))[:, None]
     order = ranked(scores, min(max(max_nodes, 0) + 1, C))  # ties: parents first
     place = np.full((B, C), -1)
@@ -83,9 +82,9 @@ def best_nodes(scores: np.ndarray, parents: np.ndarray, tokens: np.ndarray, max_
     if scores.max() > 0 or not (((below >= 0) & (below < np.arange(1, below.shape[1] + 1))) | ~np.isfinite(logq[:, 1:])).all():
         raise ValueError("A candidate scores above its parent (a log-probability above 0?): best-first's picks are not a tree.")
     tokens, sizes = tokens[rows, order], np.isfinite(logq).sum(1).tolist()  # candidates of -inf log-probability are no candidates (they sort last)
-    node_depths = None if depths is None else depths[order]  # [B, 1 + N]
-    return [DraftTree(tokens[b, :n], node_parents[b, :n], logq[b, :n], checked=False,
-                      known_depths=None if node_depths is None else node_depths[b, :n]) for b, n in enumerate(sizes)]
+    node_depths = depths[order]  # [B, 1 + N]
+    return [DraftTree(tokens[b, :n], node_parents[b, :n], logq[b, :n], checked=False, known_depths=node_depths[b, :n])
+            for b, n in enumerate(sizes)]
 
 
 def ranked(scores: np.ndarray, n: int) -> np.ndarray:

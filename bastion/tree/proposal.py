@@ -64,7 +64,12 @@ class TreeProposal:
     parents: torch.Tensor  # [B, C] index of each candidate's parent (-1: the root)
     logq: torch.Tensor  # [B, C] draft log-probability of the path root -> candidate (root: 0; -inf: no candidate)
     ranks: torch.Tensor  # [B, C] rank among its siblings, 0 for the drafter's top choice
-    depth: int  # the deepest candidates' depth (the draft steps that grew them): the deepest node a tree drawn from it can have
+    depths: np.ndarray  # [C] each candidate's depth (the root's 0), alike in every row: a drafter grows a level per draft step
+
+    @property
+    def depth(self) -> int:
+        """The deepest candidates' depth (the draft steps that grew them): the deepest node a tree drawn from it can have."""
+        return int(self.depths.max())
 
 
 def top_candidates(logits: torch.Tensor, roots: list[int], k: int, vocab: torch.Tensor | None = None) -> BlockProposal:
