@@ -166,7 +166,7 @@ def plan_methods(cfg: DictConfig) -> list[MethodPlan]:
             continue
         prefix = f"{node.drafter.name}+{node.tree.name}"
         if node.budget.get("sweep") is not None:  # an evaluation sweep (budget=oracle), not a controller
-            oracle = spec.get("name", f"{prefix}+oracle")
+            oracle = spec.get("name") or f"{prefix}+oracle"
             for n in node.budget.sweep:
                 fixed = OmegaConf.merge(OmegaConf.load(CONF_DIR / "budget" / "fixed.yaml"), {"nodes": n})
                 plans.append(MethodPlan(f"{prefix}+fixed{n}", node, fixed, oracle))
@@ -174,6 +174,10 @@ def plan_methods(cfg: DictConfig) -> list[MethodPlan]:
             plans.append(MethodPlan(spec.get("name") or f"{prefix}+{node.budget.name}", node, node.budget))
     if cfg.get("control"):
         plans.append(MethodPlan(CONTROL, None, None))
+    names = [plan.name for plan in plans]
+    if clash := sorted({name for name in names if names.count(name) > 1}):
+        raise ValueError(f"Two methods would both be named {clash[0]!r}: give each entry of `methods` a name of its own "
+                         f"(not ar or {CONTROL}; a budget=oracle entry's rows are named <drafter>+<tree>+fixed<N>).")
     return plans
 
 

@@ -221,12 +221,13 @@ def _step(m: _Method, batch: _Batch) -> Step:
     else:
         trees, draft_probs = _draft_trees(m, proposal, contexts)
     tokens, depths, tree_mask, parents, depth = pack(trees, device)  # depth: the deepest node's
+    if proposal is not None:  # whether FlexDraft drafts inside the verification forward: host work, not the forward's
+        parallel = m.budget.parallel(tokens.shape[1], lambda: m.drafter.parallel_tokens(trees), contexts)
     t2 = clock.mark()
     if proposal is None:
         hidden, features = m.target.forward(tokens, depths, tree_mask, cache, m.capture)
         width = 1
-    else:  # the drafter's verification forward (FlexDraft drafts inside it where the budget says so)
-        parallel = m.budget.parallel(tokens.shape[1], lambda: m.drafter.parallel_tokens(trees), contexts)
+    else:  # the drafter's verification forward
         hidden, features, width = m.drafter.verify_forward(m.target, cache, trees, tokens, depths, tree_mask, m.capture, parallel)
     scores = _scores(m, batch, hidden, depths, depth)
     t3 = clock.mark()
@@ -294,7 +295,7 @@ def _verify(m: _Method, scores: torch.Tensor, trees: list[DraftTree], tokens: to
     def target_probs(node: torch.Tensor) -> torch.Tensor:  # [B] -> [B, V]: p after each row's node
         return m.sampling.probs(m.target.logits(scores[rows, node]))
 
-    return verify_sampled(target_probs, trees, m.sampling, m.generator, draft_probs, tokens, parents, depth)
+    return verify_sampled(target_probs, trees, m.generator, draft_probs, tokens, parents, depth)
 
 
 def _first_tokens(logits: torch.Tensor, sampling: Sampling, seed: int, keys: torch.Tensor, generator) -> list[int]:

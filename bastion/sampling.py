@@ -117,7 +117,8 @@ def gumbel(seed: int, keys: torch.Tensor, positions: torch.Tensor, vocab: int) -
     """Standard Gumbel noise [B, M, V] (float64) that depends only on (seed, keys[b],
     positions[b, m], token): a counter-based generator, so any tree visiting a position draws
     the same noise as AR did, on any device, in any order. On a CPU it is made a few positions
-    at a time (NOISE_CELLS): ~45 passes over a block that outgrows the caches cost far more."""
+    at a time (NOISE_CELLS): the many passes over a block that outgrows the caches cost far more
+    (experiments/NOTES.md)."""
     keys, positions = ((t.to(torch.int64) & _MASK32).to(torch.int32) for t in (keys, positions))
     seed_word = int(_hash32(_hash32(torch.tensor(_word(seed), dtype=torch.int32)) ^ _word(seed >> 32)))  # a host int: nothing to copy
     row = _hash32(_hash32(keys) ^ seed_word)  # [B]; seed and key hashed apart, so (seed, key) pairs never swap

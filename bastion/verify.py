@@ -9,7 +9,6 @@ from dataclasses import dataclass
 import torch
 
 from bastion.models.transfer import to_device
-from bastion.sampling import Sampling
 from bastion.tree.draft_tree import DraftTree, doubling_rounds
 
 SAMPLED_PARENTS = 128  # nodes whose children are drawn together: [128, V] noise, not [B x N, V] (GBs at paper scale)
@@ -51,7 +50,6 @@ def verify_greedy(choice: torch.Tensor, trees: list[DraftTree], tokens: torch.Te
 def verify_sampled(
     target_probs: Callable[[torch.Tensor], torch.Tensor],
     trees: list[DraftTree],
-    sampling: Sampling,
     generator: torch.Generator,
     draft_probs: torch.Tensor | None,
     tokens: torch.Tensor,

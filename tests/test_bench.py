@@ -192,6 +192,18 @@ def test_control_is_ar_again_after_the_composed_methods():
         plan_methods(composed("drafter=ngram", "control=maybe"))
 
 
+@pytest.mark.parametrize("methods", [
+    "[{name: a, drafter: ngram}, {name: a, drafter: ngram, budget: fixed}]",
+    "[{name: ar, drafter: ngram}]",
+    "[{drafter: ngram, tree: best_first, budget: oracle}, {drafter: ngram, tree: best_first, budget: oracle}]",
+])
+def test_two_methods_of_one_name_are_refused_before_any_decoding(methods):
+    """Records, summaries and settings are keyed by method name: a second method of the same
+    name would overwrite the first's settings and only fail at the summary, after decoding."""
+    with pytest.raises(ValueError, match="Two methods would both be named"):
+        plan_methods(composed(f"methods={methods}"))
+
+
 def test_run_records_its_machine_and_its_noise_floor(tmp_path):
     """control=true: AR decoded again last in every batch, equal to AR token for token; the
     summary carries the spread and the machine, profile, dtype and commit of machine.json."""

@@ -156,6 +156,15 @@ def test_mistyped_settings_are_named_before_the_model_loads(override, expected):
         run(cfg)
 
 
+def test_an_unknown_save_dtype_is_refused_before_training(tmp_path):
+    from bastion.train.cli import train
+
+    cfg = composed("drafter=dflash", "target=tiny_qwen3", "recipe.save_dtype=bf16", f"cache_dir={tmp_path}",
+                   "target.source=nobody/no-such-model", config="training")  # a model load would fail differently
+    with pytest.raises(ValueError, match="Unknown dtype 'bf16'"):
+        train(cfg)
+
+
 @pytest.mark.parametrize("value", ["3", "null", '{"text": "hi"}', "[]", '["a", 2]', '""'])
 def test_a_prompt_field_that_is_not_text_is_refused_with_its_line(tmp_path, value):
     path = tmp_path / "prompts.jsonl"
@@ -214,6 +223,15 @@ def tiny_model_dir(path):
 def test_a_tiny_model_directory_loads(tmp_path):  # the control for the broken ones below
     model = tiny_model_dir(tmp_path / "model")
     assert load_target("tiny", str(model), tokenizer="packaged:smollm2_135m").args.vocab_size == 256
+
+
+def test_generation_configs_end_of_turn_ids_end_decoding_too(tmp_path):
+    """Instruct models list the ids a chat turn ends with in generation_config.json (Qwen3: 151645
+    and 151643; config.json names one): each must stop a row, or it decodes to max_new_tokens."""
+    model = tiny_model_dir(tmp_path / "model")
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 9]}))
+    target = load_target("tiny", str(model), tokenizer="packaged:smollm2_135m")
+    assert {7, 9} <= target.eos_ids and target.config.eos_token_id in target.eos_ids
 
 
 def cut_weights(model):

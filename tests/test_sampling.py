@@ -186,7 +186,7 @@ def test_the_test_sees_a_two_percent_shift(tiny16):
     assert chi_square_p_value(expected_counts, joint) < 1e-3
 
 
-def argmax_verifier(target_probs, trees, sampling, generator, draft_probs, *packed):
+def argmax_verifier(target_probs, trees, generator, draft_probs, *packed):
     """The bug this suite must catch: drafts checked against the argmax, only the bonus sampled."""
     verdicts = []
     for b, tree in enumerate(trees):

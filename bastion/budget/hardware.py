@@ -43,7 +43,7 @@ def device_name(device: str) -> str:
 
 def cpu_model(cpuinfo: str) -> str:
     """The first CPU's model name with its family and model numbers: a cloud machine's model
-    name may be "AMD EPYC" alone, for a Zen 3 and a Zen 5 (3x apart) alike."""
+    name may be "AMD EPYC" alone, for a Zen 3 and a Zen 5 (far apart in speed) alike."""
     fields = dict(line.split(":", 1) for line in cpuinfo.split("\n\n")[0].splitlines() if ":" in line)
     fields = {key.strip(): value.strip() for key, value in fields.items()}
     name = fields.get("model name", "")
@@ -77,8 +77,8 @@ def profile_from_config(cfg: dict, device: str, known: list[dict]) -> HardwarePr
 
 def measure(device: str) -> HardwareProfile:
     """Best observed matmul FLOP/s of each dtype, and copy bandwidth, of this device: a second or
-    so. Each dtype is timed itself: bfloat16 runs ~7x faster than float32 on a CPU with AMX,
-    hundreds of times slower on one without bf16 kernels, and several times faster on a GPU's
+    so. Each dtype is timed itself: bfloat16 runs several times faster than float32 on a CPU
+    with AMX or AVX512-BF16, far slower on one without bf16 kernels, and faster on a GPU's
     tensor cores."""
     dev = torch.device(device)
     largest = 4096 if dev.type == "cuda" else 1024

@@ -8,8 +8,8 @@ smoothmax(x, y) = (x^p + y^p)^(1/p): p -> inf is the textbook max (GPUs overlap 
 memory traffic), p = 1 their sum (CPUs mostly do not). The hardware profile gives the prior;
 a short probe at start-up fits all four parameters (cached per machine, profile, model, dtype,
 kernels and attention backend; a probe a busy machine disturbed is refused, not cached) and
-measured step times keep refitting t0, a and b online, so a wrong profile corrects itself
-within a few steps.
+measured step times keep refitting t0, a and b online (and p once several sizes are measured),
+so a wrong profile corrects itself within a few steps.
 
 Matmul kernels do not cost what a smooth curve says: they work in tiles, so a forward of 6, 7
 or 8 tokens can cost the same and 9 a step more (CPU and GPU alike). A controller reading a
@@ -189,7 +189,7 @@ def shrunk(residuals: list[np.ndarray]) -> np.ndarray:
 
     The controller takes the size with the best forecast, so among sizes whose corrections are
     noise it takes the one the noise favoured most (the optimizer's curse): on a CPU whose pace
-    drifts, probe points 10-20% off made it verify trees whose forwards cost more than it
+    drifts, probe points well off made it verify trees whose forwards cost more than it
     believed, above sizes that paid (experiments/NOTES.md). Kernels' real steps, measured alike
     each time, spread the corrections far beyond the noise and are kept.
 
@@ -261,7 +261,7 @@ def probe_problem(sizes, times: list[list[float]], spread: float = 2.0, drop: fl
     return None
 
 
-def calibrated(target, hw: HardwareProfile, cache_dir: Path, use_cache: bool = True) -> LatencyModel:
+def calibrated(target, hw: HardwareProfile, cache_dir: Path) -> LatencyModel:
     """The probe-fitted model, cached per machine (GPU or CPU model, and the CPU threads torch
     uses), hardware profile (its prior shapes the fit), model, dtype, linear kernels, attention
     backend, whether the forward is compiled, and what a probe times after the forward (the
@@ -271,7 +271,7 @@ def calibrated(target, hw: HardwareProfile, cache_dir: Path, use_cache: bool = T
     kernels = (linear_kernels(target.model), target.attention, "compiled" if target.compiled else "eager", "argmax")
     parts = (machine, hw.name, target.name, str(target.dtype).removeprefix("torch."), *kernels)
     path = Path(cache_dir) / "latency" / f"{re.sub(r'[^A-Za-z0-9._-]+', '_', '__'.join(parts))}.json"
-    if not (use_cache and read_calibration(path, model)):
+    if not read_calibration(path, model):
         started = time.perf_counter()
         probe(target, model)
         atomic_write_text(path, json.dumps({"theta": model.theta.tolist(), "probed": model.probed,

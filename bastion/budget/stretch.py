@@ -6,7 +6,7 @@ does not pay, the next steps are plain AR steps; then drafting is tried once mor
 retry that fails again doubles the stretch (8, 16, ... 256 steps), so a drafter that never
 pays costs a vanishing share of steps, and one that starts paying is back within a stretch.
 
-A retry is a drafted step, and where those are dear (a batch of 16 rows on a CPU: ~4.5 AR
+A retry is a drafted step, and where those are dear (a batch of 16 rows on a CPU: several AR
 steps each) eight AR steps and a retry would lose a third of the stretch to the retry. So a
 stretch is also at least long enough that its retry, costing `retry_cost` AR steps (the quickest
 recent drafted step's, or the forecast before one ran), wastes at most `waste` (5%) of the

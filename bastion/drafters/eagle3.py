@@ -83,6 +83,8 @@ class Eagle3Drafter(nn.Module, Drafter):
         self.midlayer = Eagle3Layer(self.args)
         self.norm = RMSNorm(h, self.args.rms_norm_eps)
         draft_vocab = int(config.get("draft_vocab_size") or self.args.vocab_size)
+        if top_k > draft_vocab:  # every node grows top_k children
+            raise ValueError(f"drafter.top_k={top_k} is more than this drafter's {draft_vocab}-token draft vocabulary.")
         self.lm_head = nn.Linear(h, draft_vocab, bias=False)
         self.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.long))  # draft id -> target id - draft id
         self.register_buffer("t2d", torch.zeros(self.args.vocab_size, dtype=torch.bool))  # target ids in the draft vocabulary

@@ -345,6 +345,9 @@ def mask_slots(group_size: int, max_nodes: int) -> int:
 
 def load_flexdraft(target: Target, checkpoint: str | None, selection: str = "min_confidence", threshold: float = 0.1,
                    top_k: int = 8, calibration: bool | str = True, bonus: str | None = None) -> FlexDraftDrafter:
+    calibration_mode = {True: "on", False: "off"}.get(calibration, calibration)
+    if calibration_mode not in CALIBRATION:
+        raise ValueError(f"drafter.calibration must be true, false or auto (got {calibration}).")
     config, state = read_checkpoint(checkpoint, "flexdraft", target.name)
     a = target.args
     if (config["num_target_layers"], config["hidden_size"], config["vocab_size"]) != (a.n_layers, a.hidden_size, a.vocab_size):
@@ -359,7 +362,5 @@ def load_flexdraft(target: Target, checkpoint: str | None, selection: str = "min
                                selection, threshold, top_k, draft_vocab_size=config.get("draft_vocab_size"),
                                bonus=bonus or config.get("bonus", "mask"))  # by default the layout it was trained with
     drafter.load_state_dict(state)
-    drafter.calibration_mode = {True: "on", False: "off"}.get(calibration, calibration)
-    if drafter.calibration_mode not in CALIBRATION:
-        raise ValueError(f"drafter.calibration must be true, false or auto (got {calibration}).")
+    drafter.calibration_mode = calibration_mode
     return drafter.to(device=target.device, dtype=target.dtype).eval()

@@ -152,8 +152,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Layout | Gro
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """SDPA under a dense [B, 1, N, S] bool mask -> [B, H, N, D]. On a CPU, a short bfloat16 or
     float16 query (a decode or verify step) runs as two batched matmuls instead: PyTorch's CPU
-    flash kernel takes ~15x longer there (B=48 AR steps of SmolLM2, the self-distillation data's
-    shape; experiments/NOTES.md), and matmuls are what AVX512-BF16 and AMX speed up."""
+    flash kernel takes many times longer there (the self-distillation data's AR steps;
+    experiments/NOTES.md), and matmuls are what AVX512-BF16 and AMX speed up."""
     if q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16) and q.shape[2] <= MATMUL_QUERIES:
         return matmul_attention(q, k, v, mask)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])

@@ -49,7 +49,7 @@ class KVCache:
     def store(self, layer: int, k, v, write_pos) -> None:
         """k, v: [B, Hkv, N, D] into slots write_pos [B, N] of `layer` (cast to the cache's dtype:
         autocast makes them bfloat16). index_put, not scatter_: CPU scatter_ copies the whole
-        bfloat16 buffer on every call, 60x slower."""
+        bfloat16 buffer on every call."""
         rows = torch.arange(k.shape[0], device=k.device)[:, None]  # [B, 1]
         self.k[layer][rows, :, write_pos] = k.transpose(1, 2).to(self.k.dtype)  # indexed [B, N, Hkv, D]
         self.v[layer][rows, :, write_pos] = v.transpose(1, 2).to(self.v.dtype)

@@ -170,12 +170,15 @@ def load_target(
         config = AutoConfig.for_model(**hf_config)
         model = _random_model(config, seed, torch_dtype, device)
         tok = AutoTokenizer.from_pretrained(resolve_source(tokenizer, cache_dir)) if tokenizer else None
+        generation = {}
     else:
         path = resolve_source(source, cache_dir)
         config = _read_config(path)
         model = _load_model(path, config, torch_dtype, device)
         tok = AutoTokenizer.from_pretrained(resolve_source(tokenizer, cache_dir) if tokenizer else path)
-    return Target(model.eval(), tok, name, config, frozenset(_eos_ids(config, tok)), dict(chat_template_args or {}),
+        file = path / "generation_config.json"
+        generation = read_json(file, "restore it from the model's source") if file.exists() else {}
+    return Target(model.eval(), tok, name, config, frozenset(_eos_ids(config, generation, tok)), dict(chat_template_args or {}),
                   choose_kernel(attention, device))
 
 
@@ -192,10 +195,12 @@ def _read_config(path: Path):
     return AutoConfig.from_pretrained(path)
 
 
-def _eos_ids(config, tokenizer) -> set[int]:
+def _eos_ids(config, generation: dict, tokenizer) -> set[int]:
+    """Every id that ends a turn: the config's, generation_config.json's (where instruct models
+    such as Qwen3's list the ids a chat turn can end with beside config.json's one) and the
+    tokenizer's."""
     ids = set()
-    for source in (config, getattr(tokenizer, "generation_config", None)):
-        eos = getattr(source, "eos_token_id", None)
+    for eos in (getattr(config, "eos_token_id", None), generation.get("eos_token_id")):
         ids |= set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)

@@ -207,8 +207,8 @@ class Transformer(nn.Module):
         tokens: torch.Tensor,  # [B, N]
         positions: torch.Tensor,  # [B, N] absolute positions
         layout: Layout,  # who attends to what (models/attention.py)
-        cache: KVCache | None = None,
-        write_pos: torch.Tensor | None = None,  # [B, N] cache slots for the new tokens
+        cache: KVCache,
+        write_pos: torch.Tensor,  # [B, N] cache slots for the new tokens
         capture: tuple[int, ...] = (),
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Returns the final normed hidden states [B, N, h] and, when `capture` names layers,
@@ -217,8 +217,7 @@ class Transformer(nn.Module):
         cos, sin = self.rotary(positions, x.dtype)
         captured = {}
         for i, layer in enumerate(self.layers):
-            extend = partial(cache.write, i, write_pos=write_pos, s_view=layout.n_keys) if cache is not None else None
-            x = layer(x, cos, sin, layout, extend)
+            x = layer(x, cos, sin, layout, partial(cache.write, i, write_pos=write_pos, s_view=layout.n_keys))
             if i in capture:
                 captured[i] = x
         features = torch.cat([captured[i] for i in capture], dim=-1) if capture else None

@@ -26,6 +26,7 @@ from bastion.drafters.dflash import DFlashDrafter, evenly_spaced_layers, new_dfl
 from bastion.drafters.eagle3 import Eagle3Drafter, feature_layers, new_eagle3_config
 from bastion.drafters.flexdraft import FlexDraftDrafter
 from bastion.files import atomic_write_text, read_json
+from bastion.models.target import dtype_named
 from bastion.train.data import build_selfdistill, build_times, check_mix, machine, source_counts, source_prompts
 from bastion.train.dflash import most_frequent_tokens, train_dflash
 from bastion.train.examples import split_examples, to_examples
@@ -47,6 +48,7 @@ def train(cfg: DictConfig) -> None:
     if cfg.drafter.name not in RECIPES:
         raise ValueError(f"train.py trains {', '.join(RECIPES)} drafters (got drafter={cfg.drafter.name}).")
     check_mix(cfg.data.mix, cfg.data.n_prompts, untrained_target=cfg.target.get("source") == "random")
+    save_dtype = dtype_named(cfg.recipe.save_dtype)  # a bad name is refused now, not after training
     out = output_dir(cfg)
     # logger=wandb only; its files go beside the resumable training state
     wandb_run = wandb_logger.start(OmegaConf.to_container(cfg, resolve=True), Path(cfg.recipe.work_dir))
@@ -77,7 +79,7 @@ def train(cfg: DictConfig) -> None:
                                    bonus=recipe.bonus).to(target.device)
         with_draft_vocab(drafter, examples, recipe.draft_vocab)
         log = train_flexdraft(drafter, examples, state, **optim, seed=cfg.seed, val_examples=val_examples, on_log=on_log)
-    drafter.save(out, getattr(torch, recipe.save_dtype))
+    drafter.save(out, save_dtype)
     atomic_write_text(out / "train_config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
     write_log(out / "train_log.jsonl", log)
     times = time_summary(cfg, log)

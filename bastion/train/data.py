@@ -111,9 +111,9 @@ def source_prompts(target: Target, name: str, count: int, out_dir: Path, seed: i
     return file_prompts(name, count, seed)
 
 
-def file_prompts(name: str, count: int, seed: int = 0, data_dir: str | Path | None = None) -> list[tuple[str, Messages]]:
+def file_prompts(name: str, count: int, seed: int = 0) -> list[tuple[str, Messages]]:
     """The first `count` (id, conversation) prompts of a file source in its seeded order."""
-    root = Path(data_dir or default_data_dir())
+    root = Path(default_data_dir())
     files, text_of = FILE_SOURCES[name]
     missing = [f for f in files if not (root / f).exists()]
     if missing:

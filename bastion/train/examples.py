@@ -21,7 +21,7 @@ class Example:
 def to_examples(dataset, features: bool = True) -> list[Example]:
     """Rows with at least one anchor that can predict something, held in memory in their stored
     dtypes: `datasets` reads float16 columns back as float32 (and int32 as int64), which for
-    6400 prompts' features is 10 GB more, so each row is cast back as it is read. Without
+    6400 prompts' features is many GB more, so each row is cast back as it is read. Without
     `features` (a drafter that reads the target itself: FlexDraft) that column, most of the
     data, is not read (experiments/NOTES.md)."""
     if not features:

@@ -26,11 +26,6 @@ class BlockProposal:
     logits: torch.Tensor | None = None  # [B, K, V'] draft logits, when the drafter has them
     vocab: torch.Tensor | None = None  # [V'] the token ids of the logits' last dimension (None: the whole vocabulary)
 
-    @property
-    def depth(self) -> int:
-        """The deepest node a tree drawn from it can have: K."""
-        return self.tokens.shape[1]
-
     def on_host(self) -> tuple[np.ndarray, np.ndarray]:
         """tokens (int64) and logprobs (float64) [B, K, k] on the host, in one transfer from the
         device (tokens travel as float64: exact below 2^53)."""
