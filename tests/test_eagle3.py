@@ -84,7 +84,6 @@ def test_best_first_takes_the_likeliest_candidates_and_chain_follows_top_ranks()
     (tree,) = best_first(proposal, 3)
     assert tree.tokens.tolist() == [5, 6, 7, 8] and tree.parents.tolist() == [-1, 0, 0, 1]  # .6, then .3 twice: the earlier first
     assert tree.depths.tolist() == [0, 1, 1, 2]  # the proposal's column depths, carried to pack
-    assert tree.depths.tolist() == [0, 1, 1, 2]  # carried from the candidates' columns, not walked again by pack
     (tree,) = chain(proposal, 5)
     assert tree.tokens.tolist() == [5, 6, 8] and tree.parents.tolist() == [-1, 0, 1]
     (tree,) = static(proposal, 5, [[1], [0], [0, 1], [1, 0]])  # [1, 0] was never grown: skipped
