@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 from bastion.bench.datasets import chat_tokens
 from bastion.budget.fixed import FixedBudget
 from bastion.drafters.base import DraftContext
+from bastion.drafters.checkpoint import save_checkpoint
 from bastion.drafters.dflash import DFlashDrafter, evenly_spaced_layers, load_dflash, new_dflash_config
 from bastion.engine import generate
 from bastion.recorder import FeatureRecorder
@@ -77,7 +78,7 @@ def test_absorbed_context_counts_like_drafted_context(tiny_qwen3):
 
 def test_checkpoint_roundtrip_in_released_format(tiny_qwen3, tmp_path):
     drafter = random_drafter(tiny_qwen3)
-    drafter.save(tmp_path, torch.float64)
+    save_checkpoint(drafter, tmp_path, torch.float64)
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["block_size"] == 5 and config["num_target_layers"] == 2
     assert config["dflash_config"] == {"target_layer_ids": [0, 1], "mask_token_id": 16}
@@ -91,14 +92,14 @@ def test_checkpoint_roundtrip_in_released_format(tiny_qwen3, tmp_path):
 
 
 def test_mismatched_drafter_is_refused(tiny_qwen3, tiny_llama, tmp_path):
-    random_drafter(tiny_qwen3).save(tmp_path)
+    save_checkpoint(random_drafter(tiny_qwen3), tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     config["num_target_layers"] = 36
     config["dflash_config"]["target_layer_ids"] = [1, 9, 17]
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"does not fit target tiny_qwen3: 36 target layers vs 2; target_layer_ids \[1, 9, 17\] outside 0..1"):
         load_dflash(tiny_qwen3, str(tmp_path))
-    random_drafter(tiny_qwen3).save(tmp_path / "other")
+    save_checkpoint(random_drafter(tiny_qwen3), tmp_path / "other")
     big = {**json.loads((tmp_path / "other" / "config.json").read_text()), "hidden_size": 4096}
     (tmp_path / "other" / "config.json").write_text(json.dumps(big))
     with pytest.raises(ValueError, match="hidden size 4096 vs 64"):
@@ -133,7 +134,7 @@ def test_draft_vocabulary_limits_drafts_and_round_trips(tiny_llama, tmp_path):
     drafter = DFlashDrafter(config, tiny_llama).to(tiny_llama.dtype).eval()
     vocab = torch.arange(0, 49152, 164)[:300]
     drafter.set_draft_vocab(vocab)
-    drafter.save(tmp_path)
+    save_checkpoint(drafter, tmp_path)
     loaded = load_dflash(tiny_llama, str(tmp_path), top_k=4)
     assert torch.equal(loaded.draft_vocab, vocab)
     prompts = random_prompts(4, seed=9)

@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 
 from bastion.budget.fixed import FixedBudget
 from bastion.drafters.base import DraftContext
+from bastion.drafters.checkpoint import save_checkpoint
 from bastion.drafters.eagle3 import Eagle3Drafter, load_eagle3, new_eagle3_config
 from bastion.engine import generate
 from bastion.sampling import Sampling
@@ -47,7 +48,7 @@ def reference_children(drafter, target, tokens: list[int], path: list[int]) -> t
         out = drafter.midlayer(drafter.embed(torch.tensor([sequence[1 : m + 1]])), feature, cos, sin,
                                torch.ones(1, 1, m, m, dtype=torch.bool).tril())
         feature = torch.cat([feature[:, :n], out[:, n - 1 :]], 1)  # drafted positions read the output one back
-    return drafter.draft_logits(out[0, -1])
+    return drafter.draft_logprobs(out[0, -1])
 
 
 @pytest.mark.parametrize("draft_vocab_size", [None, 300])
@@ -92,7 +93,7 @@ def test_best_first_takes_the_likeliest_candidates_and_chain_follows_top_ranks()
 
 def test_checkpoints_load_in_the_released_format(tiny_qwen3, tmp_path):
     drafter = random_eagle3(tiny_qwen3, draft_vocab_size=300)
-    drafter.save(tmp_path / "st", torch.float64)
+    save_checkpoint(drafter, tmp_path / "st", torch.float64)
     config = json.loads((tmp_path / "st" / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == 300
     weights = load_file(tmp_path / "st" / "model.safetensors")
@@ -124,7 +125,7 @@ def test_a_drafter_for_another_target_is_refused(tiny_qwen3, tmp_path):
             Eagle3Drafter({**config, **change}, tiny_qwen3)
     drafter = random_eagle3(tiny_qwen3, draft_vocab_size=300)
     drafter.d2t.fill_(49000)
-    drafter.save(tmp_path, torch.float32)
+    save_checkpoint(drafter, tmp_path, torch.float32)
     with pytest.raises(ValueError, match="d2t maps draft tokens outside the target's vocabulary"):
         load_eagle3(tiny_qwen3, str(tmp_path))
 
@@ -235,4 +236,4 @@ def test_the_training_forward_is_tree_drafting_along_the_true_path(tiny_qwen3):
             for c in (4, 17, 26):
                 for j in range(3):
                     expected = reference_children(drafter, tiny_qwen3, tokens[: c + 2], tokens[c + 2 : c + 2 + j])
-                    torch.testing.assert_close(drafter.draft_logits(outputs[j][0, c - first]), expected, rtol=1e-7, atol=1e-7)
+                    torch.testing.assert_close(drafter.draft_logprobs(outputs[j][0, c - first]), expected, rtol=1e-7, atol=1e-7)

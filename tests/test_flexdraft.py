@@ -14,6 +14,7 @@ import torch
 from bastion.budget.fixed import FixedBudget
 from bastion.budget.latency import ForwardCost, LatencyModel
 from bastion.drafters.base import DraftContext
+from bastion.drafters.checkpoint import save_checkpoint
 from bastion.drafters.flexdraft import FlexDraftDrafter, group_layout, load_flexdraft
 from bastion.engine import generate
 from bastion.tree.best_first import best_first
@@ -124,7 +125,10 @@ def test_flex_mode_follows_the_latency_model(tiny_qwen3):
     assert (inside, apart) == (5 * 4, 4) and drafter.draft_tokens == 4  # every node kept: a group of 4 after each
     for cheaper in (True, False):
         budget = budget_with(tiny_qwen3, 4, synthetic_latency(tiny_qwen3, parallel_cheaper=cheaper), mode="flex")
+        budget.predicted_s = float(budget.predict(len(TREE.tokens), [100]))  # the trees' forecast, as a controller sets it
         assert budget.parallel(len(TREE.tokens), lambda: (inside, apart), [100]) == cheaper
+        wider = len(TREE.tokens) + (inside if cheaper else 0)  # drafting inside: the forecast is the wider forward's
+        assert budget.predicted_s == float(budget.predict(wider, [100]))
     assert budget_with(tiny_qwen3, 4, mode="parallel").parallel(5, lambda: (inside, apart), [100])
     assert not budget_with(tiny_qwen3, 4, mode="sequential").parallel(5, lambda: (inside, apart), [100])
     with pytest.raises(ValueError, match="budget.mode=flex and pause_drafting=False need a latency model"):
@@ -147,7 +151,7 @@ def test_lossless_in_every_mode(tiny_llama, mode):
 
 def test_checkpoint_roundtrip_and_mismatch(tiny_qwen3, tmp_path):
     drafter = random_flexdraft(tiny_qwen3)
-    drafter.save(tmp_path, torch.float64)
+    save_checkpoint(drafter, tmp_path, torch.float64)
     loaded = load_flexdraft(tiny_qwen3, str(tmp_path), calibration=False)
     for (name, a), b in zip(drafter.state_dict().items(), loaded.state_dict().values()):
         assert torch.equal(a, b), name
@@ -160,7 +164,7 @@ def test_checkpoint_roundtrip_and_mismatch(tiny_qwen3, tmp_path):
         load_flexdraft(tiny_qwen3, str(tmp_path))
     # a clean-bonus drafter from before its first slot ran as the target's own token is refused
     clean = random_flexdraft(tiny_qwen3, bonus="clean")
-    clean.save(tmp_path, torch.float64)
+    save_checkpoint(clean, tmp_path, torch.float64)
     assert load_flexdraft(tiny_qwen3, str(tmp_path)).bonus == "clean"
     config = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "first_slot"}))
@@ -175,7 +179,7 @@ def test_a_draft_vocabulary_narrows_the_head_the_calibration_and_the_drafts(tiny
     proposal = drafter.propose(DraftContext([list(range(300, 341))], None, [0], cache))
     assert set(proposal.tokens.flatten().tolist()) <= set(range(0, 900, 3)) and len(drafter.draft_vocab) == 300
     assert proposal.logits.shape[-1] == 49152 and proposal.logits[..., 1].isneginf().all()  # the full vocabulary, -inf outside
-    drafter.save(tmp_path, torch.float64)
+    save_checkpoint(drafter, tmp_path, torch.float64)
     assert json.loads((tmp_path / "config.json").read_text())["draft_vocab_size"] == 300
     loaded = load_flexdraft(tiny_qwen3, str(tmp_path))
     assert torch.equal(loaded.draft_vocab, drafter.draft_vocab)

@@ -22,7 +22,7 @@ import bastion.budget.latency
 from bastion.budget.hardware import HardwareProfile
 from bastion.budget.latency import calibrated
 from bastion.compose import replace_dict_overrides
-from bastion.drafters.checkpoint import read_checkpoint
+from bastion.drafters.checkpoint import read_checkpoint, save_checkpoint
 from bastion.drafters.flexdraft import FlexDraftDrafter
 from bastion.files import atomic_path, atomic_write_text
 from bastion.models.loading import ModelNotFound
@@ -144,7 +144,7 @@ def small_drafter(tiny):
 
 def test_a_checkpoint_save_cut_short_leaves_no_checkpoint_to_load(tiny, tmp_path, monkeypatch):
     out = tmp_path / "drafter"
-    small_drafter(tiny).save(out, torch.float32)
+    save_checkpoint(small_drafter(tiny), out, torch.float32)
     assert read_checkpoint(str(out), "flexdraft", "tiny_qwen3")[0]["group_size"] == 4
 
     def killed(state, path):
@@ -153,7 +153,7 @@ def test_a_checkpoint_save_cut_short_leaves_no_checkpoint_to_load(tiny, tmp_path
 
     monkeypatch.setattr("bastion.drafters.checkpoint.save_file", killed)
     with pytest.raises(KeyboardInterrupt):
-        small_drafter(tiny).save(out, torch.float32)
+        save_checkpoint(small_drafter(tiny), out, torch.float32)
     with pytest.raises(ModelNotFound, match="has no config.json"):  # not a checkpoint, rather than half of one
         read_checkpoint(str(out), "flexdraft", "tiny_qwen3")
     assert not list(out.glob("*.safetensors")) and not list(out.glob(".*"))
@@ -161,7 +161,7 @@ def test_a_checkpoint_save_cut_short_leaves_no_checkpoint_to_load(tiny, tmp_path
 
 def test_a_checkpoint_file_that_does_not_parse_is_named(tiny, tmp_path):
     out = tmp_path / "drafter"
-    small_drafter(tiny).save(out, torch.float32)
+    save_checkpoint(small_drafter(tiny), out, torch.float32)
     weights, config = out / "model.safetensors", out / "config.json"
     good = weights.read_bytes()
     weights.write_bytes(good[: len(good) // 2])

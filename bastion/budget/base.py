@@ -142,13 +142,18 @@ class Budget:
         """Draft inside this step's verification forward (one forward of width + inside tokens
         per row) rather than after it (forwards of width and of apart tokens)? `tokens()` gives
         (inside, apart), (0, 0) for a drafter that cannot; asked only when the mode needs it,
-        since it walks every tree."""
+        since it walks every tree. Drafting inside, the step's forecast (`predicted_s`, where the
+        budget made one) becomes the wider forward's."""
         if self.mode == "sequential":
             return False
         inside, apart = tokens()
         if not inside or self.mode == "parallel":
-            return inside > 0
-        return float(self.predict(width + inside, contexts)) < float(self.predict(width, contexts) + self.predict(apart, contexts))
+            chosen = inside > 0
+        else:
+            chosen = float(self.predict(width + inside, contexts)) < float(self.predict(width, contexts) + self.predict(apart, contexts))
+        if chosen and self.predicted_s is not None:
+            self.predicted_s = float(self.predict(width + inside, contexts))
+        return chosen
 
     def predict(self, tokens, contexts: list[int]) -> np.ndarray:
         """The latency model's forecast of a forward of `tokens` (one count, or several

@@ -57,8 +57,9 @@ def read_checkpoint(checkpoint: str | None, kind: str, target_name: str) -> tupl
     return config, state
 
 
-def save_checkpoint(module: nn.Module, config: dict, out_dir: Path, dtype: torch.dtype) -> None:
-    """Write `module`'s weights (floating ones in `dtype`) and `config` into `out_dir`, so that
+def save_checkpoint(drafter: nn.Module, out_dir: Path, dtype: torch.dtype = torch.bfloat16) -> None:
+    """Write a trained drafter's weights (floating ones in `dtype`) and its `config` (the
+    transformers keys it was built from) into `out_dir`, so that
     a kill at any moment leaves either a loadable checkpoint or a folder that is not one.
     config.json marks a checkpoint (resolve_checkpoint looks for it), so it goes first and comes
     back last, each file written atomically: in between the folder is no checkpoint at all,
@@ -68,10 +69,10 @@ def save_checkpoint(module: nn.Module, config: dict, out_dir: Path, dtype: torch
     out_dir.mkdir(parents=True, exist_ok=True)
     for old in (out_dir / "config.json", *out_dir.glob("*.safetensors")):
         old.unlink(missing_ok=True)
-    state = {k: v.detach().to("cpu", dtype if v.is_floating_point() else v.dtype).contiguous() for k, v in module.state_dict().items()}
+    state = {k: v.detach().to("cpu", dtype if v.is_floating_point() else v.dtype).contiguous() for k, v in drafter.state_dict().items()}
     with atomic_path(out_dir / "model.safetensors") as tmp:
         save_file(state, tmp)
-    config = {**config, "torch_dtype": str(dtype).removeprefix("torch.")}
+    config = {**drafter.config, "torch_dtype": str(dtype).removeprefix("torch.")}
     atomic_write_text(out_dir / "config.json", json.dumps(config, indent=2) + "\n")
 
 

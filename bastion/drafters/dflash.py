@@ -16,14 +16,13 @@ safetensors named `layers.N.*`, `fc.weight`, `hidden_norm.weight`, `norm.weight`
 from __future__ import annotations
 
 from functools import partial
-from pathlib import Path
 
 import torch
 from torch import nn
 from transformers import AutoConfig
 
 from bastion.drafters.base import DraftContext, Drafter, DraftVocabulary
-from bastion.drafters.checkpoint import read_checkpoint, save_checkpoint, shaped_like
+from bastion.drafters.checkpoint import read_checkpoint, shaped_like
 from bastion.models.kv_cache import KVCache
 from bastion.models.target import Target
 from bastion.models.transfer import to_device
@@ -139,9 +138,6 @@ class DFlashDrafter(nn.Module, DraftVocabulary, Drafter):
         return self.norm(x).view(B, M, K, -1)
 
     # ---- checkpoints ------------------------------------------------------------------------
-    def save(self, out_dir: Path, dtype: torch.dtype = torch.bfloat16) -> None:
-        save_checkpoint(self, self.config, out_dir, dtype)
-
 
 def check_fits(drafter: DFlashDrafter, target: Target) -> None:
     """Refuse a drafter trained for another target, in one sentence, before any decoding."""

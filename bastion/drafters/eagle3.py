@@ -29,7 +29,6 @@ needed: the target's own embedding is used (a drafter narrower than its target k
 from __future__ import annotations
 
 from functools import partial
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -37,7 +36,7 @@ from torch import nn
 from transformers import AutoConfig
 
 from bastion.drafters.base import DraftContext, Drafter
-from bastion.drafters.checkpoint import read_checkpoint, save_checkpoint, shaped_like
+from bastion.drafters.checkpoint import read_checkpoint, shaped_like
 from bastion.models.kv_cache import KVCache
 from bastion.models.target import Target
 from bastion.models.transfer import to_device
@@ -164,14 +163,14 @@ class Eagle3Drafter(nn.Module, Drafter):
         table = self.embed_tokens if self.embed_tokens is not None else self.target.model.embed_tokens
         return table(tokens).to(self.fc.weight.dtype)
 
-    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def draft_logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., h] -> log-probabilities over the draft vocabulary [..., V_draft] (float32 at least)."""
         logits = self.lm_head(self.norm(hidden))
         return torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
 
     def top_children(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[B, N, h] -> the top_k children of each: log-probabilities and target token ids [B, N, k]."""
-        top = self.draft_logits(hidden).topk(self.top_k, dim=-1)
+        top = self.draft_logprobs(hidden).topk(self.top_k, dim=-1)
         return top.values, top.indices + self.d2t[top.indices]
 
     def unrolled(self, features: torch.Tensor, tokens: torch.Tensor, steps: int, first: int = 0) -> list[torch.Tensor]:
@@ -210,9 +209,6 @@ class Eagle3Drafter(nn.Module, Drafter):
         return outputs
 
     # ---- checkpoints ------------------------------------------------------------------------
-    def save(self, out_dir: Path, dtype: torch.dtype = torch.bfloat16) -> None:
-        save_checkpoint(self, self.config, out_dir, dtype)
-
 
 def feature_layers(config: dict, n_target_layers: int) -> tuple[int, ...]:
     """The target layers whose outputs EAGLE-3 reads: the config's layer ids name the layers

@@ -31,13 +31,12 @@ from __future__ import annotations
 
 import copy
 import math
-from pathlib import Path
 
 import torch
 from torch import nn
 
 from bastion.drafters.base import DraftContext, Drafter, DraftVocabulary
-from bastion.drafters.checkpoint import read_checkpoint, save_checkpoint
+from bastion.drafters.checkpoint import read_checkpoint
 from bastion.models.attention import attend, within_group
 from bastion.models.kv_cache import KVCache
 from bastion.models.target import Target
@@ -299,9 +298,6 @@ class FlexDraftDrafter(nn.Module, DraftVocabulary, Drafter):
         return sorted(set(kept) | {0})
 
     # ---- checkpoints ------------------------------------------------------------------------------
-    def save(self, out_dir: Path, dtype: torch.dtype = torch.bfloat16) -> None:
-        save_checkpoint(self, self.config, out_dir, dtype)
-
 
 def group_layout(tree_mask: torch.Tensor, depths: torch.Tensor, keep: list[list[int]], G: int):
     """Parallel mode's attention over a verified tree of M tokens and one group of G mask tokens

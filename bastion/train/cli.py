@@ -22,6 +22,7 @@ from bastion.compose import (
     resolve_bfloat16,
     resolve_device,
 )
+from bastion.drafters.checkpoint import save_checkpoint
 from bastion.drafters.dflash import DFlashDrafter, evenly_spaced_layers, new_dflash_config
 from bastion.drafters.eagle3 import Eagle3Drafter, feature_layers, new_eagle3_config
 from bastion.drafters.flexdraft import FlexDraftDrafter
@@ -79,7 +80,7 @@ def train(cfg: DictConfig) -> None:
                                    bonus=recipe.bonus).to(target.device)
         with_draft_vocab(drafter, examples, recipe.draft_vocab)
         log = train_flexdraft(drafter, examples, state, **optim, seed=cfg.seed, val_examples=val_examples, on_log=on_log)
-    drafter.save(out, save_dtype)
+    save_checkpoint(drafter, out, save_dtype)
     atomic_write_text(out / "train_config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
     write_log(out / "train_log.jsonl", log)
     times = time_summary(cfg, log)

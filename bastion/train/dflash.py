@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from bastion.drafters.dflash import DFlashDrafter
-from bastion.train.examples import Example, chain_walk, fixed_batches, sample_anchors
+from bastion.train.examples import Example, block_labels, fixed_batches, padded_features, sample_anchors, walk_chains
 from bastion.train.loop import train_loop
 
 CHAIN_EXAMPLES = 24  # held-out answers walked for val_chain_aal at each validation (seconds on a CPU)
@@ -23,13 +23,10 @@ CHAIN_EXAMPLES = 24  # held-out answers walked for val_chain_aal at each validat
 
 def sample_batch(examples: list[Example], n_seqs: int, n_anchors: int, gen: torch.Generator, soft_labels: bool = False):
     """sample_anchors plus the target features, padded: features [B, S, F] (float32); and with
-    `soft_labels`, the target's distributions at every token: top ids and log-probs [B, S, k]
-    (else None)."""
+    `soft_labels`, the target's distributions at every token: top ids and log-probs
+    [B, S, k] (else None)."""
     picks, tokens, anchors, anchor_ok, lengths = sample_anchors(examples, n_seqs, n_anchors, gen)
     S = tokens.shape[1]
-    features = torch.zeros(n_seqs, S, picks[0].features.shape[1])
-    for b, e in enumerate(picks):
-        features[b, : len(e.tokens) - 1] = e.features.float()
     soft = None
     if soft_labels:
         k = picks[0].top_ids.shape[1]
@@ -37,7 +34,7 @@ def sample_batch(examples: list[Example], n_seqs: int, n_anchors: int, gen: torc
         for b, e in enumerate(picks):
             soft[0][b, e.answer_start : len(e.tokens)] = e.top_ids.long()
             soft[1][b, e.answer_start : len(e.tokens)] = e.top_logprobs.float()
-    return tokens, features, anchors, anchor_ok, lengths, soft
+    return tokens, padded_features(picks, S), anchors, anchor_ok, lengths, soft
 
 
 def feature_std(examples: list[Example]) -> torch.Tensor:
@@ -63,21 +60,13 @@ def block_loss(drafter: DFlashDrafter, batch, gamma: float, to_draft: torch.Tens
     carry no loss); also per-position hits and counts. With `soft_labels` > 0 the cross-entropy
     is that share against the target's own distribution there, the rest against its token."""
     tokens, features, anchors, anchor_ok, lengths, soft = batch
-    B, S = tokens.shape
     K = drafter.block_size
     hidden = drafter.block_hidden(features, tokens, anchors)[:, :, 1:]  # [B, M, K-1, h]
     logits = F.linear(hidden.flatten(0, 2), drafter.head_weight()).float()  # [B*M*(K-1), V']: a 2-D matmul, not a slow bmm
-    label_pos = anchors[:, :, None] + torch.arange(1, K)  # [B, M, K-1]
-    valid = anchor_ok[:, :, None] & (label_pos < lengths[:, None, None])
-    at_labels = label_pos.clamp(max=S - 1).flatten(1)  # [B, M*(K-1)]
-    labels = tokens.gather(1, at_labels).view_as(label_pos)
-    if to_draft is not None:
-        labels = to_draft[labels]
-    scored = valid & (labels >= 0)
-    labels = labels.clamp(min=0)
+    label_pos, labels, valid, scored = block_labels(tokens, anchors, anchor_ok, lengths, K - 1, to_draft)  # [B, M, K-1]
     ce = F.cross_entropy(logits, labels.flatten(), reduction="none").view_as(labels)
     if soft_labels:
-        index = at_labels[:, :, None].expand(-1, -1, soft[0].shape[-1])  # [B, M*(K-1), k]
+        index = label_pos.flatten(1)[:, :, None].expand(-1, -1, soft[0].shape[-1])  # [B, M*(K-1), k]
         soft_ce = soft_cross_entropy(logits, soft[0].gather(1, index).flatten(0, 1), soft[1].gather(1, index).flatten(0, 1), to_draft)
         ce = (1 - soft_labels) * ce + soft_labels * soft_ce.view_as(labels)
     weights = scored * torch.exp(-torch.arange(K - 1) / gamma)
@@ -100,23 +89,15 @@ def soft_cross_entropy(logits: torch.Tensor, top_ids: torch.Tensor, top_logprobs
 
 @torch.no_grad()
 def chain_aal(drafter: DFlashDrafter, examples: list[Example]) -> float:
-    """Chain decoding's acceptance length at temperature 0 on these sequences, without decoding.
-
-    The sequences are the target's own greedy answers, so chain decoding would reproduce them,
-    and its steps are known once the drafter's top-1 block at every answer position is: each
-    step's block is rooted where the last one's acceptance stopped. One training forward scores
-    all those blocks. The training loss's random anchors overstate this: a block rooted just
-    after a rejected draft is harder than one rooted anywhere (experiments/NOTES.md).
-    """
-    steps = produced = 0
-    for e in examples:
-        n, start = len(e.tokens), e.answer_start
-        anchors = torch.arange(start, n - 1)[None]  # [1, M]: a block at every answer token with a successor
+    """Chain decoding's acceptance length at temperature 0 on these sequences, without decoding
+    (train/examples.py walk_chains): one training forward scores a block at every answer token."""
+    def drafts(e: Example) -> list[torch.Tensor]:
+        anchors = torch.arange(e.answer_start, len(e.tokens) - 1)[None]  # [1, M]
         features = F.pad(e.features.float(), (0, 0, 0, 1))[None]  # [1, n, F]: the last token's are never seen
         hidden = drafter.block_hidden(features, e.tokens[None], anchors)[0, :, 1:]  # [M, K-1, h]
-        walked = chain_walk(drafter.logits(hidden).argmax(-1), e.tokens, start)
-        steps, produced = steps + walked[0], produced + walked[1]
-    return produced / max(steps, 1)
+        return [drafter.logits(hidden).argmax(-1)]
+
+    return walk_chains(examples, drafts)[0] or 0.0
 
 
 def most_frequent_tokens(examples: list[Example], n: int, vocab_size: int) -> tuple[torch.Tensor, float]:

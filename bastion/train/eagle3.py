@@ -17,21 +17,17 @@ import torch.nn.functional as F
 
 from bastion.drafters.base import draft_ids
 from bastion.drafters.eagle3 import Eagle3Drafter
-from bastion.train.examples import Example, fixed_batches
+from bastion.train.examples import Example, fixed_batches, padded_features, sample_padded
 from bastion.train.loop import train_loop
 
 
 def sample_sequences(examples: list[Example], n_seqs: int, columns: torch.Tensor, gen: torch.Generator):
     """n_seqs random examples, padded: tokens [B, S], the features the drafter reads [B, S - 1, F]
-    (`columns` of the recorded ones), answer starts and lengths [B]."""
-    picks = [examples[i] for i in torch.randint(len(examples), (n_seqs,), generator=gen).tolist()]
-    S = max(len(e.tokens) for e in picks)
-    tokens = torch.zeros(n_seqs, S, dtype=torch.long)
-    features = torch.zeros(n_seqs, S - 1, len(columns))
-    for b, e in enumerate(picks):
-        tokens[b, : len(e.tokens)] = e.tokens
-        features[b, : len(e.tokens) - 1] = e.features[:, columns].float()
-    return tokens, features, torch.tensor([e.answer_start for e in picks]), torch.tensor([len(e.tokens) for e in picks])
+    (`columns` of the recorded ones; the last token's are never recorded), answer starts and
+    lengths [B]."""
+    picks, tokens, lengths = sample_padded(examples, n_seqs, gen)
+    features = padded_features(picks, tokens.shape[1] - 1, columns)
+    return tokens, features, torch.tensor([e.answer_start for e in picks]), lengths
 
 
 def ttt_loss(drafter: Eagle3Drafter, batch, steps: int, decay: float, to_draft: torch.Tensor):
@@ -47,12 +43,12 @@ def ttt_loss(drafter: Eagle3Drafter, batch, steps: int, decay: float, to_draft: 
     labels = to_draft[tokens.gather(1, label_pos.clamp(max=tokens.shape[1] - 1).expand(B, -1, -1).flatten(1)).view(B, P, steps)]
     scored = valid & (labels >= 0)
     hidden = torch.stack(outputs, 2)[scored]  # [n, h]: only what carries loss goes through the head
-    logits = drafter.draft_logits(hidden)
-    ce = F.nll_loss(logits, labels[scored], reduction="none")
-    weights = (decay ** torch.arange(steps, dtype=logits.dtype)).expand(B, P, steps)[scored]
+    logprobs = drafter.draft_logprobs(hidden)
+    ce = F.nll_loss(logprobs, labels[scored], reduction="none")
+    weights = (decay ** torch.arange(steps, dtype=logprobs.dtype)).expand(B, P, steps)[scored]
     loss = (ce * weights).sum() / weights.sum().clamp_min(1e-9)
     step_of = torch.arange(steps).expand(B, P, steps)[scored]
-    hits = torch.zeros(steps, dtype=torch.long).index_add_(0, step_of, (logits.argmax(-1) == labels[scored]).long())
+    hits = torch.zeros(steps, dtype=torch.long).index_add_(0, step_of, (logprobs.argmax(-1) == labels[scored]).long())
     return loss, hits, valid.flatten(0, 1).sum(0)
 
 

@@ -38,24 +38,55 @@ def to_examples(dataset, features: bool = True) -> list[Example]:
     return examples
 
 
-def sample_anchors(examples: list[Example], n_seqs: int, n_anchors: int, gen: torch.Generator):
-    """Pad n_seqs random examples and pick up to n_anchors anchors inside each answer (each
-    with at least one token after it). Returns the picked examples, tokens [B, S], anchors
-    [B, M], anchor_ok [B, M] and lengths [B]."""
+def sample_padded(examples: list[Example], n_seqs: int, gen: torch.Generator):
+    """n_seqs random examples and their tokens, right-padded: (picks, tokens [B, S], lengths [B])."""
     picks = [examples[i] for i in torch.randint(len(examples), (n_seqs,), generator=gen).tolist()]
-    S = max(len(e.tokens) for e in picks)
-    tokens = torch.zeros(n_seqs, S, dtype=torch.long)
+    tokens = torch.zeros(n_seqs, max(len(e.tokens) for e in picks), dtype=torch.long)
+    for b, e in enumerate(picks):
+        tokens[b, : len(e.tokens)] = e.tokens
+    return picks, tokens, torch.tensor([len(e.tokens) for e in picks])
+
+
+def padded_features(picks: list[Example], length: int, columns: torch.Tensor | slice = slice(None)) -> torch.Tensor:
+    """The picked examples' recorded target features (`columns` of them), float32 and
+    right-padded to `length` positions: [B, length, F]."""
+    features = torch.zeros(len(picks), length, picks[0].features[:, columns].shape[1])
+    for b, e in enumerate(picks):
+        features[b, : len(e.tokens) - 1] = e.features[:, columns].float()
+    return features
+
+
+def sample_anchors(examples: list[Example], n_seqs: int, n_anchors: int, gen: torch.Generator):
+    """sample_padded, and up to n_anchors anchors inside each answer (each with at least one
+    token after it). Returns the picked examples, tokens [B, S], anchors [B, M], anchor_ok
+    [B, M] and lengths [B]."""
+    picks, tokens, lengths = sample_padded(examples, n_seqs, gen)
     anchors = torch.zeros(n_seqs, n_anchors, dtype=torch.long)
     anchor_ok = torch.zeros(n_seqs, n_anchors, dtype=torch.bool)
     for b, e in enumerate(picks):
-        n = len(e.tokens)
-        tokens[b, :n] = e.tokens
-        candidates = torch.arange(e.answer_start, n - 1)
+        candidates = torch.arange(e.answer_start, len(e.tokens) - 1)
         chosen = candidates[torch.randperm(len(candidates), generator=gen)[:n_anchors]].sort().values
         anchors[b, : len(chosen)] = chosen
         anchors[b, len(chosen) :] = e.answer_start
         anchor_ok[b, : len(chosen)] = True
-    return picks, tokens, anchors, anchor_ok, torch.tensor([len(e.tokens) for e in picks])
+    return picks, tokens, anchors, anchor_ok, lengths
+
+
+def block_labels(tokens: torch.Tensor, anchors: torch.Tensor, anchor_ok: torch.Tensor, lengths: torch.Tensor, n: int,
+                 to_draft: torch.Tensor | None = None):
+    """What the n drafts of a block rooted at each anchor [B, M] of tokens [B, S] should be.
+    Returns their positions [B, M, n] (clamped inside the sequence), labels [B, M, n] (draft ids
+    where `to_draft` maps target ids into a draft vocabulary, -1 outside it; then 0 where not
+    scored), `valid` [B, M, n] (a real anchor, a position inside the sequence: what counts
+    towards accuracy) and `scored` (valid and draftable: what carries loss)."""
+    label_pos = anchors[:, :, None] + torch.arange(1, n + 1)  # [B, M, n]
+    valid = anchor_ok[:, :, None] & (label_pos < lengths[:, None, None])
+    label_pos = label_pos.clamp(max=tokens.shape[1] - 1)
+    labels = tokens.gather(1, label_pos.flatten(1)).view_as(label_pos)
+    if to_draft is not None:
+        labels = to_draft[labels]
+    scored = valid & (labels >= 0)
+    return label_pos, labels.clamp(min=0), valid, scored
 
 
 def split_examples(examples: list[Example], val_fraction: float) -> tuple[list[Example], list[Example]]:
@@ -72,11 +103,30 @@ def fixed_batches(sample, n: int = 8, seed: int = 1234) -> list:
     return [sample(gen) for _ in range(n)]
 
 
+def walk_chains(examples: list[Example], drafts) -> list[float | None]:
+    """Chain decoding's acceptance length at temperature 0 on these sequences, without decoding.
+
+    The sequences are the target's own greedy answers, so chain decoding would reproduce them,
+    and its steps are known once the drafter's top-1 block at every answer position is:
+    `drafts(example)` gives those blocks, [M, K] for the M answer positions with a successor,
+    once per drafting variant (None for a variant the drafter lacks), from one training-style
+    forward; each step's block is rooted where the last one's acceptance stopped. The training
+    loss's random anchors overstate this: a block rooted just after a rejected draft is harder
+    than one rooted anywhere (experiments/NOTES.md). One AAL per variant (None where absent)."""
+    walked = None
+    for e in examples:
+        blocks = drafts(e)
+        walked = walked or [[0, 0] for _ in blocks]
+        for counts, block in zip(walked, blocks):
+            if block is not None:
+                steps, produced = chain_walk(block, e.tokens, e.answer_start)
+                counts[0], counts[1] = counts[0] + steps, counts[1] + produced
+    return [produced / steps if steps else None for steps, produced in walked or []]
+
+
 def chain_walk(drafts: torch.Tensor, tokens: torch.Tensor, start: int) -> tuple[int, int]:
-    """Chain decoding at temperature 0 over one example, whose answer is the target's own greedy
-    output, so decoding would reproduce it: drafts [M, K] holds the drafter's top-1 block rooted
-    at each answer position start..start+M-1, and each step's block is rooted where the last
-    one's acceptance stopped. Returns (steps, tokens produced)."""
+    """Chain decoding over one example: drafts [M, K] holds the drafter's top-1 block rooted at
+    each answer position start..start+M-1. Returns (steps, tokens produced)."""
     steps = produced = 0
     at = start
     while at < len(tokens) - 1:

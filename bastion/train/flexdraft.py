@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from bastion.drafters.flexdraft import FlexDraftDrafter
 from bastion.models.attention import Groups
-from bastion.train.examples import Example, chain_walk, fixed_batches, sample_anchors
+from bastion.train.examples import Example, block_labels, fixed_batches, sample_anchors, walk_chains
 from bastion.train.loop import train_loop
 
 
@@ -59,41 +59,31 @@ def group_loss(drafter: FlexDraftDrafter, batch, gamma: float, to_draft: torch.T
     vocabulary when the drafter has one (`to_draft` maps target ids to draft ids, -1 outside
     it, and those labels carry no loss); per-position hits (calibrated) and counts."""
     _, tokens, anchors, anchor_ok, lengths = batch
-    S, G = tokens.shape[1], drafter.group_size
+    G = drafter.group_size
     hidden = group_hidden(drafter, tokens, anchors)  # [B, M, G, h]
     base = F.linear(hidden[:, :, 1:].flatten(0, 2), drafter.head_weight()).float()  # [B*M*(G-1), V']: a 2-D matmul
     calibrated = base + drafter.calibration(drafter.calibration_input(hidden, tokens.gather(1, anchors))).flatten(0, 2).float()
-    label_pos = anchors[:, :, None] + torch.arange(1, G)  # [B, M, G-1]
-    label_ok = anchor_ok[:, :, None] & (label_pos < lengths[:, None, None])
-    labels = tokens.gather(1, label_pos.clamp(max=S - 1).flatten(1)).flatten()
-    scored = label_ok  # a token outside the draft vocabulary cannot be drafted: no loss, a miss
-    if to_draft is not None:
-        labels = to_draft[labels]
-        scored = label_ok & (labels >= 0).view_as(label_ok)
-        labels = labels.clamp(min=0)
+    _, labels, valid, scored = block_labels(tokens, anchors, anchor_ok, lengths, G - 1, to_draft)  # [B, M, G-1]
+    labels = labels.flatten()
     weights = (scored * torch.exp(-torch.arange(G - 1) / gamma)).flatten()
     loss = sum((F.cross_entropy(l, labels, reduction="none") * weights).sum() for l in (base, calibrated)) / weights.sum().clamp_min(1e-9)
-    hits = ((calibrated.argmax(-1) == labels).view_as(label_ok) & scored).flatten(0, 1).sum(0)
-    return loss, hits, label_ok.flatten(0, 1).sum(0)
+    hits = ((calibrated.argmax(-1) == labels).view_as(valid) & scored).flatten(0, 1).sum(0)
+    return loss, hits, valid.flatten(0, 1).sum(0)
 
 
 @torch.no_grad()
 def chain_aal(drafter: FlexDraftDrafter, examples: list[Example]) -> dict[str, float]:
     """Sequential chain decoding's acceptance length at temperature 0 on these sequences, without
-    decoding (as train/dflash.py's chain_aal): a group at every answer token, walked. With the
+    decoding (train/examples.py walk_chains): a group at every answer token. With the
     calibration MLP's drafts (val_chain_aal) and without it (val_chain_aal_plain, the ablation)."""
-    walked = {"val_chain_aal": [0, 0], "val_chain_aal_plain": [0, 0]}
-    for e in examples:
+    def drafts(e: Example) -> list[torch.Tensor | None]:
         n, start = len(e.tokens), e.answer_start
         hidden = group_hidden(drafter, e.tokens[None], torch.arange(start, n - 1)[None])[0]  # [M, G, h]
-        plain, calibrated = drafter.draft_logits(hidden, e.tokens[start : n - 1])  # [M, G-1, V] each
-        for name, logits in (("val_chain_aal", calibrated), ("val_chain_aal_plain", plain)):
-            if logits is None:  # calibration off
-                continue
-            steps, produced = chain_walk(logits.argmax(-1), e.tokens, start)
-            walked[name][0] += steps
-            walked[name][1] += produced
-    return {name: round(produced / steps, 4) for name, (steps, produced) in walked.items() if steps}
+        plain, calibrated = drafter.draft_logits(hidden, e.tokens[start : n - 1])  # [M, G-1, V] each; calibrated None when off
+        return [None if calibrated is None else calibrated.argmax(-1), plain.argmax(-1)]
+
+    walked = zip(("val_chain_aal", "val_chain_aal_plain"), walk_chains(examples, drafts))
+    return {name: round(aal, 4) for name, aal in walked if aal is not None}
 
 
 def train_flexdraft(drafter: FlexDraftDrafter, examples: list[Example], state_path: Path, steps: int, lr: float = 1e-3,
