@@ -203,8 +203,8 @@ def test_a_checkpoint_git_tracks_is_replaced_only_with_overwrite_true(tmp_path, 
 # ---- dict overrides and the data mix ----------------------------------------------------------
 
 def test_a_dict_override_replaces_the_configured_dict(tmp_path):
-    assert OmegaConf.to_container(training_config(tmp_path).data.mix) == {"gsm8k": 0.45, "math": 0.15, "mbpp": 0.055, "chat": 0.22,
-                                                                          "followup": 0.125}
+    assert OmegaConf.to_container(training_config(tmp_path).data.mix) == {"gsm8k": 0.36, "math": 0.12, "mbpp": 0.044, "chat": 0.32,
+                                                                          "followup": 0.156}
     cfg = training_config(tmp_path, "data.mix={gsm8k: 1.0}", "data.n_prompts=8")
     assert OmegaConf.to_container(cfg.data.mix) == {"gsm8k": 1.0} and cfg.data.n_prompts == 8
     cfg = training_config(tmp_path, "data.mix={gsm8k: 1.0, chat: 1.0}", "data.mix.math=0.5", "~data.mix.chat")
