@@ -147,13 +147,14 @@ class Budget:
         if self.mode == "sequential":
             return False
         inside, apart = tokens()
-        if not inside or self.mode == "parallel":
-            chosen = inside > 0
-        else:
-            chosen = float(self.predict(width + inside, contexts)) < float(self.predict(width, contexts) + self.predict(apart, contexts))
-        if chosen and self.predicted_s is not None:
-            self.predicted_s = float(self.predict(width + inside, contexts))
-        return chosen
+        if not inside or (self.mode == "parallel" and self.predicted_s is None):
+            return inside > 0
+        wider_s = float(self.predict(width + inside, contexts))  # the one forecast both questions need
+        if self.mode == "flex" and wider_s >= float(self.predict(width, contexts) + self.predict(apart, contexts)):
+            return False
+        if self.predicted_s is not None:
+            self.predicted_s = wider_s
+        return True
 
     def predict(self, tokens, contexts: list[int]) -> np.ndarray:
         """The latency model's forecast of a forward of `tokens` (one count, or several
