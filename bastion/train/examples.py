@@ -76,8 +76,8 @@ def block_labels(tokens: torch.Tensor, anchors: torch.Tensor, anchor_ok: torch.T
                  to_draft: torch.Tensor | None = None):
     """What the n drafts of a block rooted at each anchor [B, M] of tokens [B, S] should be.
     Returns their positions [B, M, n] (clamped inside the sequence), labels [B, M, n] (target
-    ids, or draft ids where `to_draft` maps target ids into a draft vocabulary, -1 outside it;
-    0 stands in for those), `valid` [B, M, n] (a real anchor, a position inside the sequence:
+    ids, or draft ids where `to_draft` maps target ids into a draft vocabulary; a token outside
+    it is returned as 0 and left out of `scored`), `valid` [B, M, n] (a real anchor, a position inside the sequence:
     what counts towards accuracy) and `scored` (valid and draftable: what carries loss)."""
     label_pos = anchors[:, :, None] + torch.arange(1, n + 1)  # [B, M, n]
     valid = anchor_ok[:, :, None] & (label_pos < lengths[:, None, None])
