@@ -8,7 +8,9 @@ Greedy decoding is lossless, so the output is AR's, and it says for every step a
 n how many tokens verifying the tree's first n nodes would have given. Printed per n: tokens
 per step as forecast (1 + r A_hat(n)) and as they would have been, verify time as forecast and
 as measured here (target forwards of n + 1 tokens), the speedups both imply, and how often the
-controller chose n (up to the next size listed).
+controller chose n (up to the next size listed). Then per rank of the whole trees the policy
+built (binned by powers of two): their summed path probability, how many lie on the target's
+path, and the ratio, against the controller's one ratio r at the end.
 """
 
 from __future__ import annotations
@@ -65,18 +67,23 @@ def main(argv: list[str]) -> None:
     budget.size = recording
     benches = [cfg.bench.name] if cfg.bench.name != "all" else list(cfg.bench.names)
     prompts = [chat_tokens(target, [{"role": "user", "content": p.turns[0]}])
-               for bench in benches for p in load_prompts(bench, cfg.bench.limit)]
+               for bench in benches
+               for p in load_prompts(bench, cfg.bench.limit, path=cfg.bench.get("path"), field=cfg.bench.get("field"))]
     generate(target, prompts[:1], max_new_tokens=8)  # warm-up
     produced = {n: [] for n in SIZES}
     forecast = {n: [] for n in SIZES}
     verify_forecast = {n: [] for n in SIZES}
     costs = []
+    bins = np.zeros((2, 10))  # per rank bin (1, 2-3, 4-7, ...): summed path probability, nodes on the target's path
     for prompt in prompts:
         start = len(steps)
         out = generate(target, [prompt], drafter=drafter, policy=policy, budget=budget, max_new_tokens=cfg.decode.max_new_tokens)
         sequence = prompt + out.generations[0].tokens
         for ctx, tree, tokens, verify, draft_s, other_s, _ in steps[start:]:
             path = accepted_path(tree, sequence[ctx + 1 :])
+            ranks = np.log2(np.arange(1, tree.n_nodes + 1)).astype(int)  # exact at powers of two
+            np.add.at(bins[0], ranks, np.exp(tree.logq[1:]))
+            np.add.at(bins[1], ranks[np.array(path, dtype=int) - 1], 1)
             for n in SIZES:
                 k = min(n, tree.n_nodes)
                 produced[n].append(1 + sum(node <= k for node in path))
@@ -100,6 +107,10 @@ def main(argv: list[str]) -> None:
         picked = sum(c for k, c in chosen.items() if n <= k and (n == SIZES[-1] or k < SIZES[SIZES.index(n) + 1]))
         print(f"{n:>3} {tokens_fc:>9.3f} {tokens_cf:>9.3f} {verify_fc:>9.2f} {1e3 * measured[n]:>9.2f} "
               f"{tokens_fc * ar_s / step_fc:>6.3f} {tokens_cf * ar_s / step_true:>6.3f} {picked:>6}")
+    print(f"{'ranks':<9} {'A_hat':>8} {'accepted':>8} {'ratio':>6}   (the controller's r at the end: {budget.acceptance_ratio:.3f})")
+    for b, (believed, hits) in enumerate(bins.T):
+        if believed:
+            print(f"{2 ** b:>4}-{2 ** (b + 1) - 1:<4} {believed:>8.1f} {hits:>8.0f} {hits / believed:>6.3f}")
 
 
 if __name__ == "__main__":
