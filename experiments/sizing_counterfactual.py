@@ -74,7 +74,7 @@ def main(argv: list[str]) -> None:
     forecast = {n: [] for n in SIZES}
     verify_forecast = {n: [] for n in SIZES}
     costs = []
-    bins = np.zeros((2, 10))  # per rank bin (1, 2-3, 4-7, ...): summed path probability, nodes on the target's path
+    bins = np.zeros((2, budget.max_nodes.bit_length()))  # per rank bin (1, 2-3, 4-7, ...): summed path probability, nodes on the target's path
     for prompt in prompts:
         start = len(steps)
         out = generate(target, [prompt], drafter=drafter, policy=policy, budget=budget, max_new_tokens=cfg.decode.max_new_tokens)
