@@ -40,6 +40,8 @@ class Step:
     predicted_verify_s: float | None = None  # the budget controller's forecast of verify_s
     drafted: bool = False  # False: an AR step (the budget or the drafter chose not to draft)
     compiled: bool = False  # torch.compile built a graph during this step (decode.compile, flex): its times are not the method's
+    paths: list[list[int]] = field(default_factory=list)  # per row, the accepted tree indices from the root, in the
+    # trees as the budget sized them (none where children were drawn after sizing: sampled trees, T > 0)
 
 
 @dataclass
@@ -248,7 +250,7 @@ def _step(m: _Method, batch: _Batch) -> Step:
                 draft_s=clock.seconds(t0, t1), verify_s=clock.seconds(t2, t3),
                 other_s=clock.seconds(t1, t2) + clock.seconds(t3, t4),
                 predicted_verify_s=m.budget.predicted_s if proposal is not None else None, drafted=proposal is not None,
-                compiled=compiled_graphs() > graphs)
+                compiled=compiled_graphs() > graphs, paths=paths if m.sampling.keyed else [])
     if m.drafter is not None and not step.compiled:  # a compiling step's times would mislead the budget's forecasts
         m.budget.observe(step, contexts, width)  # width: what ran, the trees plus parallel drafting's mask groups
         step.other_s += clock.seconds(t4, clock.mark())  # the controller's own refits are part of the step

@@ -6,11 +6,12 @@ Decodes each prompt (batch 1, T=0) with the configured drafter, best-first trees
 BASTION budget, keeping every drafted step's full tree and the controller's forecast curve.
 Greedy decoding is lossless, so the output is AR's, and it says for every step and every size
 n how many tokens verifying the tree's first n nodes would have given. Printed per n: tokens
-per step as forecast (1 + r A_hat(n)) and as they would have been, verify time as forecast and
+per step as forecast (1 + A_hat(n), calibrated by rank) and as they would have been, verify time as forecast and
 as measured here (target forwards of n + 1 tokens), the speedups both imply, and how often the
 controller chose n (up to the next size listed). Then per rank of the whole trees the policy
 built (binned by powers of two): their summed path probability, how many lie on the target's
-path, and the ratio, against the controller's one ratio r at the end.
+path, the ratio, and the controller's own ratio at the bin's first rank at the end (learned
+from the nodes it verified).
 """
 
 from __future__ import annotations
@@ -58,9 +59,9 @@ def main(argv: list[str]) -> None:
 
     def recording(trees, contexts):
         _, verify, _, _ = budget.curve(trees, contexts)
-        _, gained = merge_best_first(trees)
+        _, gained = merge_best_first(trees, budget.rank_ratios())
         chosen = size(trees, contexts)
-        steps.append((contexts[0], trees[0], 1 + budget.acceptance_ratio * gained, verify, budget.recent.draft_s,
+        steps.append((contexts[0], trees[0], 1 + gained, verify, budget.recent.draft_s,
                       budget.recent.other_s, chosen[0].n_nodes))
         return chosen
 
@@ -107,10 +108,11 @@ def main(argv: list[str]) -> None:
         picked = sum(c for k, c in chosen.items() if n <= k and (n == SIZES[-1] or k < SIZES[SIZES.index(n) + 1]))
         print(f"{n:>3} {tokens_fc:>9.3f} {tokens_cf:>9.3f} {verify_fc:>9.2f} {1e3 * measured[n]:>9.2f} "
               f"{tokens_fc * ar_s / step_fc:>6.3f} {tokens_cf * ar_s / step_true:>6.3f} {picked:>6}")
-    print(f"{'ranks':<9} {'A_hat':>8} {'accepted':>8} {'ratio':>6}   (the controller's r at the end: {budget.acceptance_ratio:.3f})")
+    print(f"{'ranks':<9} {'A_hat':>8} {'accepted':>8} {'ratio':>6} {'learned':>7}")
+    learned = budget.rank_ratios()
     for b, (believed, hits) in enumerate(bins.T):
         if believed:
-            print(f"{2 ** b:>4}-{2 ** (b + 1) - 1:<4} {believed:>8.1f} {hits:>8.0f} {hits / believed:>6.3f}")
+            print(f"{2 ** b:>4}-{2 ** (b + 1) - 1:<4} {believed:>8.1f} {hits:>8.0f} {hits / believed:>6.3f} {learned[2 ** b - 1]:>7.3f}")
 
 
 if __name__ == "__main__":

@@ -75,6 +75,9 @@ def test_merge_takes_the_best_next_node_of_any_row_keeping_prefixes():
     assert gained[-1] == pytest.approx(a.expected_accepted() + b.expected_accepted())
     counts, gained = merge_best_first([a])  # one row: its nodes in order
     assert counts.tolist() == [[0], [1], [2], [3]] and gained == pytest.approx([0, 0.9, 0.9 + 0.81, 0.9 + 0.81 + 0.729])
+    counts, gained = merge_best_first([a, b], np.array([1.0, 0.5, 0.1]))  # nodes valued by their rank's ratio
+    assert counts.tolist() == [[0, 0], [1, 0], [1, 1], [2, 1], [2, 2], [3, 2], [3, 3]]
+    assert gained[-1] == pytest.approx(0.9 + 0.7 + 0.5 * (0.81 + 0.49) + 0.1 * (0.729 + 0.343))
 
 
 def heap_merge(trees: list[DraftTree]) -> list[list[int]]:
@@ -208,10 +211,11 @@ def test_a_probe_taken_at_another_pace_keeps_its_shape_not_its_level(drift):
     np.testing.assert_allclose(model.predict(sizes, np.full_like(sizes, 300)), [stepped(n) for n in range(1, 17)], rtol=0.02)
 
 
-def measured(verify_s, accepted=0.0, a_hat=0.0, draft_s=0.0, nodes=1):
-    """A one-row Step as the engine reports it (nodes=0: an AR step)."""
+def measured(verify_s, accepted=0.0, a_hat=0.0, draft_s=0.0, nodes=1, path=None):
+    """A one-row Step as the engine reports it (nodes=0: an AR step; `path`: its accepted tree
+    indices, root included, where known)."""
     return SimpleNamespace(draft_s=draft_s, other_s=0.0, verify_s=verify_s, produced=[1 + accepted], expected=[a_hat],
-                           tree_sizes=[nodes], drafted=nodes > 0)
+                           tree_sizes=[nodes], drafted=nodes > 0, paths=[] if path is None else [path])
 
 
 def test_wrong_profile_corrects_itself_online():
@@ -246,6 +250,40 @@ def test_an_overconfident_drafter_gets_smaller_trees():
     assert budget.acceptance_ratio == pytest.approx(0.3, abs=0.03)
     assert budget.size([tree], [300])[0].n_nodes < trusting
     assert controller(TRUE_CPU).size([tree], [300])[0].n_nodes == trusting  # the uncalibrated choice
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_drafter_overconfident_past_its_first_nodes_gets_the_best_size(seed):
+    """A chain drafter right about its first 3 nodes (each accepted w.p. 0.93 after its parent,
+    as it believes) and overconfident past them (0.55): measured per rank from the accepted
+    paths, the controller sizes at the true best; with one ratio over all ranks (paths unknown,
+    as for children drawn after sizing, or budget.per_rank=false) it values the 4th node
+    onwards at the average and sizes far past it."""
+    truth, tree = synthetic_truth(TRUE_CPU), chain(64, 0.93)
+    follows = np.array([0.93 if j <= 3 else 0.55 for j in range(1, 65)])  # P(node j accepted | its parent was)
+    reach = np.cumprod(follows)  # P(node j accepted)
+
+    def true_speedup(n):
+        seconds = truth.predict(np.array([[1], [n + 1]]), np.array([[300], [300]]))  # [2]: AR, the tree
+        return (1 + reach[:n].sum()) * seconds[0] / seconds[1]
+
+    best = max(true_speedup(n) for n in range(1, 65))
+    for paths_known, per_rank, lo, hi in ((True, True, 0.98, 1.0), (False, True, 0.0, 0.85), (True, False, 0.0, 0.85)):
+        rng, budget = np.random.default_rng(seed), controller(TRUE_CPU)
+        budget.per_rank = per_rank
+        chosen = []
+        for _ in range(80):
+            n = budget.size([tree], [300])[0].n_nodes
+            accepted = rng.random(n) < follows[:n]
+            k = n if accepted.all() else int(np.argmin(accepted))  # the accepted path's draft nodes
+            seconds = float(truth.predict(np.array([n + 1]), np.array([300])))
+            budget.observe(measured(seconds, k, tree.truncate(n).expected_accepted(), nodes=n,
+                                    path=list(range(k + 1)) if paths_known else None), [300], n + 1)
+            chosen.append(n)
+        speedups = sorted(true_speedup(n) / best for n in chosen[-20:])
+        assert lo <= speedups[10] <= hi, (paths_known, per_rank, chosen[-20:])  # the median of the last 20 choices
+        assert budget.rank_ratios()[-1] == pytest.approx(budget.acceptance_ratio)  # ranks never verified: the pooled ratio
+        assert (budget.rank_ratios()[3] < 0.8 * budget.rank_ratios()[0]) == (paths_known and per_rank)
 
 
 def test_acceptance_is_measured_against_the_trees_the_controller_priced():

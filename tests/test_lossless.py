@@ -206,13 +206,15 @@ def test_batched_bastion_budget_lossless(tiny_qwen3, policy, tmp_path):
     # The oracle's decoys make its beliefs a poor guide; scaled down by measured acceptance
     # they would size most trees at zero, and its realised throughput would turn drafting off
     # for stretches: this test is about trees of different sizes.
-    budget = on_exact_hardware(BastionBudget(max_nodes=32, probe=False, scale_acceptance=False, pause_drafting=False))
+    budget = on_exact_hardware(BastionBudget(max_nodes=32, probe=False, scale_acceptance=False, pause_drafting=False, smoothing=0.0))
     budget.start(target, HardwareProfile("cpu", {"float64": 0.05}, 8.0, 1.0), tmp_path)
     d = generate(target, prompts, drafter=oracle, policy=POLICIES[policy], budget=budget, max_new_tokens=24)
     for prompt, exp, gen in zip(prompts, expected, d.generations):
         assert_same_tokens(target, prompt, exp, gen.tokens, f"bastion batch {policy}")
     uneven = sum(len(set(s.tree_sizes)) > 1 for s in d.steps)
     assert uneven >= 3, f"rows should get different budgets (only {uneven} of {len(d.steps)} steps did)"
+    # without decay, every accepted draft token and every verified node's belief is counted at its rank
+    assert budget.hits.sum() == budget.accepted - 2 and budget.belief.sum() == pytest.approx(budget.believed - 2)
 
 
 def test_ar_stretches_of_the_bastion_budget_stay_lossless(tiny_llama, tmp_path):

@@ -172,6 +172,16 @@ def test_every_method_outputs_ars_keyed_sample(tiny16, sampling):
         d = generate(tiny16, [PROMPT] * 8, max_new_tokens=12, sampling=sampling, seed=5, **method)
         assert [g.tokens for g in d.generations] == ar, f"{name} at T={sampling.temperature}: output differs from AR's"
         assert max(max(s.produced) for s in d.steps) >= 2, f"{name} should accept drafted tokens"
+        assert all(len(path) == n for s in d.steps for path, n in zip(s.paths, s.produced, strict=True))  # the budget's record
+
+
+def test_drawn_children_leave_no_paths_in_the_sized_trees(tiny16):
+    """Children drawn after sizing (tree_mode=sampled) renumber the trees: a step's accepted paths
+    are not indices into the trees the budget sized, so none are reported."""
+    table = context_logits(tiny16)
+    d = generate(tiny16, [PROMPT] * 4, max_new_tokens=12, sampling=Sampling(1.0, tree_mode="sampled"), seed=5,
+                 **methods(table, tiny16)["best_first"])
+    assert max(max(s.produced) for s in d.steps) >= 2 and all(s.paths == [] for s in d.steps)
 
 
 def test_the_test_sees_a_two_percent_shift(tiny16):
