@@ -6,9 +6,9 @@ Decodes each prompt (batch 1, T=0) with the configured drafter, best-first trees
 BASTION budget, keeping every drafted step's full tree and the controller's forecast curve.
 Greedy decoding is lossless, so the output is AR's, and it says for every step and every size
 n how many tokens verifying the tree's first n nodes would have given. Printed per n: tokens
-per step as forecast (1 + A_hat(n), calibrated by rank) and as they would have been, verify time as forecast and
-as measured here (target forwards of n + 1 tokens), the speedups both imply, and how often the
-controller chose n (up to the next size listed). Then per rank of the whole trees the policy
+per step as forecast (1 + A_hat(n), calibrated by rank) and as they would have been, verify
+time as forecast and as measured here (target forwards of n + 1 tokens), the speedups both
+imply, and how often the controller chose n (up to the next size listed). Then per rank of the whole trees the policy
 built (binned by powers of two): their summed path probability, how many lie on the target's
 path, the ratio, and the controller's own ratio at the bin's first rank at the end (learned
 from the nodes it verified).
@@ -25,7 +25,6 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from bastion.bench.datasets import chat_tokens, load_prompts
-from bastion.budget.controller import merge_best_first
 from bastion.budget.latency import probe_times
 from bastion.compose import build, build_target, hardware, packed, resolve_device
 from bastion.engine import generate
@@ -58,11 +57,10 @@ def main(argv: list[str]) -> None:
     size = budget.size
 
     def recording(trees, contexts):
-        _, verify, _, _ = budget.curve(trees, contexts)
-        _, gained = merge_best_first(trees, budget.rank_ratios())
+        _, verify, cost, speedup = budget.curve(trees, contexts)
         chosen = size(trees, contexts)
-        steps.append((contexts[0], trees[0], 1 + gained, verify, budget.recent.draft_s,
-                      budget.recent.other_s, chosen[0].n_nodes))
+        tokens = speedup * cost  # [n+1] forecast tokens per step: the curve's speedup is tokens over cost
+        steps.append((contexts[0], trees[0], tokens, verify, budget.recent.draft_s, budget.recent.other_s, chosen[0].n_nodes))
         return chosen
 
     budget.size = recording

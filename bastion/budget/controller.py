@@ -62,8 +62,7 @@ class BastionBudget(Budget):
         self.max_nodes, self.probe, self.refit_every, self.smoothing = max_nodes, probe, refit_every, smoothing
         self.tolerance, self.scale_acceptance, self.per_rank = tolerance, scale_acceptance, per_rank
         self.accepted, self.believed = 2.0, 2.0  # decayed sums of accepted tokens and A_hat (a prior of ratio 1)
-        self.hits, self.belief = np.zeros(max_nodes), np.zeros(max_nodes)  # the same per rank 1.., where paths are known,
-        # decayed ten times slower
+        self.hits, self.belief = np.zeros(max_nodes), np.zeros(max_nodes)  # the same per rank 1.., where paths are known
         ranks = np.arange(1, max_nodes + 1)  # the ranks near each: ceil(rank / sqrt 2) .. floor(rank * sqrt 2)
         self._near = np.ceil(ranks / math.sqrt(2)).astype(np.int64) - 1, np.minimum(ranks * math.sqrt(2), max_nodes).astype(np.int64)
         self.exploring = False  # while forecasts are biased
@@ -149,8 +148,9 @@ class BastionBudget(Budget):
         self.believed = decay * self.believed + sum(t.expected_accepted() for t in self._sized)  # the trees it priced, not
         # step.expected: sampled children (T > 0) replace them with drawn tokens of lower A_hat
         if step.paths and self.per_rank:
-            self.hits *= 1 - self.smoothing / 40
-            self.belief *= 1 - self.smoothing / 40
+            slow = 1 - self.smoothing / 40  # each rank sees few nodes a step: ten times longer still
+            self.hits *= slow
+            self.belief *= slow
             ranks = np.concatenate([np.arange(t.n_nodes) for t in self._sized])  # each node's rank - 1, row after row
             self.belief += np.bincount(ranks, np.exp(np.concatenate([t.logq[1:] for t in self._sized])), self.max_nodes)
             self.hits += np.bincount([node - 1 for path in step.paths for node in path[1:]], minlength=self.max_nodes)
