@@ -46,6 +46,8 @@ def case(B=3, H=4, Hkv=2, N=7, prefix=(0, 5, 11), tree=True, D=16, dtype=torch.f
 def test_layout_mask_is_its_definition(tree):
     _, _, _, layout = case(tree=tree)
     assert torch.equal(layout.dense(), definition(layout))
+    assert torch.equal(layout.sdpa_mask, definition(layout))  # what sdpa attends under, built once for every layer
+    assert Layout(torch.zeros(2, dtype=torch.long), None, 5, 5).sdpa_mask is None  # causal: SDPA's own causal path
 
 
 def reference(q, k, v, layout):

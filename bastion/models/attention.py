@@ -50,12 +50,18 @@ class Layout:
     n_keys: int  # S: key slots attended over: the longest prefix + N, or more (a compiled forward's bucket)
     kernel: str = "sdpa"
     block_mask: object = field(init=False, default=None, repr=False)  # flex: FlexAttention's, shared by every layer
+    sdpa_mask: torch.Tensor | None = field(init=False, default=None, repr=False)  # sdpa: dense(), shared by every layer
 
     def __post_init__(self):
-        # built when the layout is made, before the forward: inside a compiled forward (decode.compile) a lazy
-        # build (functools.cached_property takes a lock on Python 3.11) splits the graph at every layer
-        if self.kernel == "flex" and not self.causal_only:
+        # built once when the layout is made, before the forward: per layer it cost every forward a
+        # millisecond on a CPU; inside a compiled forward (decode.compile) a lazy build
+        # (functools.cached_property takes a lock on Python 3.11) splits the graph at every layer
+        if self.causal_only:
+            return
+        if self.kernel == "flex":
             object.__setattr__(self, "block_mask", self._flex_block_mask())
+        elif self.kernel == "sdpa":
+            object.__setattr__(self, "sdpa_mask", self.dense())
 
     @property
     def causal_only(self) -> bool:
@@ -144,7 +150,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Layout | Gro
 
         out = tree_attention(q, k, v, mask.prefix, mask.tree)
     else:
-        out = sdpa(q, k, v, mask.dense())
+        out = sdpa(q, k, v, mask.sdpa_mask)
     B, H, N, D = out.shape
     return out.transpose(1, 2).reshape(B, N, H * D)
 
