@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from bastion.budget.hardware import HardwareProfile, device_name, known_profiles, profile_from_config
 from bastion.engine import generate
 from bastion.models.packed_linear import prepack_linears
-from bastion.models.target import compile_forward
+from bastion.models.target import compile_forward, drafter_dtype, dtype_named, fast_bfloat16
 from bastion.sampling import GREEDY, Sampling
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
@@ -99,15 +99,6 @@ def resolve_device(device: str) -> str:
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"device={device} was asked for but torch sees no CUDA device; use device=cpu.")
     return device
-
-
-def fast_bfloat16(device: str) -> bool:
-    """Whether bfloat16 matmuls beat float32 ones on `device`: on CUDA, and on CPUs with AMX
-    tiles or AVX512-BF16 instructions. On CPUs with neither oneDNN's bfloat16 path is slower
-    than float32 (experiments/NOTES.md)."""
-    if device.startswith("cuda"):
-        return torch.cuda.is_bf16_supported()
-    return torch.backends.mkldnn.is_available() and (torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported())
 
 
 def resolve_bfloat16(choice, device: str) -> bool:
@@ -191,6 +182,9 @@ def method_settings(cfg: DictConfig, plan: MethodPlan) -> dict:
         for group, node in (("drafter", plan.node.drafter), ("tree", plan.node.tree), ("budget", plan.budget),
                             ("gpu", plan.node.gpu)):
             settings[group] = OmegaConf.to_container(node, resolve=True)
+        if settings["drafter"].get("dtype") == "auto":  # recorded as it ran: the machine decides
+            target_dtype = dtype_named(cfg.target.get("dtype", "float32"))
+            settings["drafter"]["dtype"] = str(drafter_dtype("auto", cfg.device, target_dtype)).removeprefix("torch.")
         if plan.node.drafter.get("checkpoint"):
             settings["drafter_files"] = files_digest(plan.node.drafter.checkpoint)
     if local_dir(cfg.target.source) is not None:  # a packaged, Hub or random target is known by its name

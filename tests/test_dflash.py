@@ -128,6 +128,39 @@ def test_lossless_with_a_dflash_drafter(tiny_llama, policy):
             assert_same_tokens(tiny_llama, p, exp, gen.tokens, f"dflash {policy.__name__} {budget}")
 
 
+@pytest.mark.parametrize("draft_vocab", [None, 300])
+def test_a_bfloat16_drafter_drafts_for_a_wider_target_losslessly(tiny_llama, tmp_path, draft_vocab):
+    """drafter.dtype: a bfloat16 drafter (auto's choice where bfloat16 matmuls are fast) proposes
+    for a float64 target, scoring with a bfloat16 copy of the target's head, and the output is AR's."""
+    config = new_dflash_config(tiny_llama, 1, 5, [0, 1], 16, draft_vocab_size=draft_vocab)
+    torch.manual_seed(0)
+    save_checkpoint(DFlashDrafter(config, tiny_llama).eval(), tmp_path)
+    drafter = load_dflash(tiny_llama, str(tmp_path), top_k=4, dtype="bfloat16")
+    assert {p.dtype for p in drafter.parameters()} == {torch.bfloat16} and drafter.cache is None
+    prompts = random_prompts(4, seed=11)
+    expected = ar_outputs(tiny_llama, prompts, 16)
+    for policy in (chain, best_first):
+        d = generate(tiny_llama, prompts, drafter=drafter, policy=policy, budget=FixedBudget(8), max_new_tokens=16)
+        for p, exp, gen in zip(prompts, expected, d.generations):
+            assert_same_tokens(tiny_llama, p, exp, gen.tokens, f"bfloat16 drafter, {policy.__name__}")
+    assert drafter.cache.k.dtype == torch.bfloat16
+    hidden = torch.randn(2, 3, tiny_llama.args.hidden_size, dtype=torch.bfloat16)
+    assert drafter.logits(hidden).shape == (2, 3, tiny_llama.args.vocab_size) and drafter.logits(hidden).dtype == torch.float32
+    assert load_dflash(tiny_llama, str(tmp_path)).fc.weight.dtype == tiny_llama.dtype  # no dtype: the target's
+
+
+def test_auto_drafter_dtype_is_bfloat16_only_where_it_is_fast(monkeypatch):
+    import bastion.models.target as target_module
+
+    for fast, expected in ((True, torch.bfloat16), (False, torch.float32)):
+        monkeypatch.setattr(target_module, "fast_bfloat16", lambda device, fast=fast: fast)
+        assert target_module.drafter_dtype("auto", "cpu", torch.float32) == expected
+    assert target_module.drafter_dtype(None, "cpu", torch.float64) == torch.float64
+    assert target_module.drafter_dtype("float16", "cpu", torch.float32) == torch.float16
+    with pytest.raises(ValueError, match="Unknown dtype 'fp8'"):
+        target_module.drafter_dtype("fp8", "cpu", torch.float32)
+
+
 def test_draft_vocabulary_limits_drafts_and_round_trips(tiny_llama, tmp_path):
     config = new_dflash_config(tiny_llama, 1, 5, [0, 1], 16, draft_vocab_size=300)
     torch.manual_seed(0)

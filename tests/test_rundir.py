@@ -233,3 +233,16 @@ def test_sampled_runs_are_reproducible_and_checked_lossless(tmp_path):
     assert all(tokens[0][("ar", p)] == tokens[0][(m, p)] for m, p in tokens[0])
     summary = read_summary(runs[0] / "summary.csv")
     assert summary.lossless.all() and (summary.temperature == 1.0).all()
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_the_drafter_dtype_is_recorded_as_it_runs(monkeypatch, fast):
+    """drafter.dtype=auto is settled by the machine: its settings say which dtype drafted."""
+    import bastion.models.target
+    from bastion.compose import method_settings, plan_methods
+    from tests.test_errors import composed
+
+    monkeypatch.setattr(bastion.models.target, "fast_bfloat16", lambda device: fast)
+    cfg = composed("drafter=dflash", "device=cpu")
+    dflash = plan_methods(cfg)[1]
+    assert method_settings(cfg, dflash)["drafter"]["dtype"] == ("bfloat16" if fast else "float32")

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bastion.compose import fast_bfloat16
+from bastion.models.target import fast_bfloat16
 from bastion.drafters.dflash import DFlashDrafter, new_dflash_config
 from bastion.drafters.eagle3 import load_eagle3
 from bastion.drafters.flexdraft import FlexDraftDrafter, load_flexdraft

@@ -82,21 +82,24 @@ class DraftVocabulary:
         self.draft_vocab = token_ids.to(self.draft_vocab.device if self.draft_vocab is not None else token_ids.device)
         self._head = None
 
-    def head_weight(self) -> torch.Tensor:
-        """The LM head rows drafts are scored over: all of them, or the draft vocabulary's."""
+    def head_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The LM head rows drafts are scored over, all of them or the draft vocabulary's, in
+        `dtype` (the target's by default; a drafter in another dtype scores in its own)."""
         weight = self.target.model.lm_head.weight
-        if self.draft_vocab is None:
+        dtype = dtype or weight.dtype
+        if self.draft_vocab is None and dtype == weight.dtype:
             return weight
-        if self._head is None or self._head.device != weight.device or self._head.dtype != weight.dtype:
-            self._head = weight[self.draft_vocab].detach()
+        if self._head is None or self._head.device != weight.device or self._head.dtype != dtype:
+            rows = weight if self.draft_vocab is None else weight[self.draft_vocab]
+            self._head = rows.detach().to(dtype, copy=True)
             self._head_packed = pack_weight(self._head) if isinstance(self.target.model.lm_head, PackedLinear) else None
         return self._head
 
     def draft_head(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., h] -> logits over the draft vocabulary [..., V'] (the whole one without)."""
-        if self.draft_vocab is None:
+        if self.draft_vocab is None and hidden.dtype == self.target.dtype:
             return self.target.model.lm_head(hidden)
-        return linear(hidden, self.head_weight(), self._head_packed)
+        return linear(hidden, self.head_weight(hidden.dtype), self._head_packed)
 
     def in_full_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits [..., V'] -> [..., V], -inf outside it (float32 at least)."""

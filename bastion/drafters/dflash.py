@@ -24,7 +24,7 @@ from transformers import AutoConfig
 from bastion.drafters.base import DraftContext, Drafter, DraftVocabulary
 from bastion.drafters.checkpoint import read_checkpoint, shaped_like
 from bastion.models.kv_cache import KVCache
-from bastion.models.target import Target
+from bastion.models.target import Target, drafter_dtype
 from bastion.models.transfer import to_device
 from bastion.models.transformer import Block, ModelArgs, RMSNorm, Rotary
 from bastion.tree.proposal import BlockProposal, top_candidates
@@ -85,9 +85,7 @@ class DFlashDrafter(nn.Module, DraftVocabulary, Drafter):
         return top_candidates(logits, roots, self.top_k, self.draft_vocab)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[..., h] -> full-vocabulary logits [..., V]; tokens outside the draft vocabulary get -inf."""
-        if self.draft_vocab is None:
-            return self.target.logits(hidden)
+        """[..., h] -> full-vocabulary logits [..., V] (float32 at least); tokens outside the draft vocabulary get -inf."""
         return self.in_full_vocab(self.draft_head(hidden))
 
     def _append_context(self, features: torch.Tensor, n_features: list[int]) -> None:
@@ -188,10 +186,12 @@ def evenly_spaced_layers(n_target_layers: int, n: int) -> list[int]:
     return sorted({round(first + i * (last - first) / (n - 1)) for i in range(n)})
 
 
-def load_dflash(target: Target, checkpoint: str | None, top_k: int = 8, block_size: int | None = None) -> DFlashDrafter:
+def load_dflash(target: Target, checkpoint: str | None, top_k: int = 8, block_size: int | None = None,
+                dtype: str | None = None) -> DFlashDrafter:
+    """`dtype`: the drafter's (models/target.py drafter_dtype: a name, auto, or None for the target's)."""
     config, state = read_checkpoint(checkpoint, "dflash", target.name)
     drafter = DFlashDrafter(config, target, top_k=top_k, block_size=block_size)
     missing, unexpected = drafter.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise ValueError(f"{checkpoint} is not a DFlash checkpoint: missing {missing[:3]}, unexpected {unexpected[:3]}.")
-    return drafter.to(device=target.device, dtype=target.dtype).eval()
+    return drafter.to(device=target.device, dtype=drafter_dtype(dtype, target.device, target.dtype)).eval()

@@ -134,6 +134,25 @@ def dtype_named(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
+def fast_bfloat16(device: str | torch.device) -> bool:
+    """Whether bfloat16 matmuls beat float32 ones on `device`: on CUDA, and on CPUs with AMX
+    tiles or AVX512-BF16 instructions. On CPUs with neither oneDNN's bfloat16 path is slower
+    than float32 (experiments/NOTES.md)."""
+    if str(device).startswith("cuda"):
+        return torch.cuda.is_bf16_supported()
+    return torch.backends.mkldnn.is_available() and (torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported())
+
+
+def drafter_dtype(choice: str | None, device: str | torch.device, target_dtype: torch.dtype) -> torch.dtype:
+    """A drafter's dtype: `choice` by name, the target's (None), or `auto`: bfloat16 where its
+    matmuls are fast on `device`, else the target's. A drafter only proposes, so its rounding
+    changes which tokens are drafted, never the output, and a drafter that streams half the
+    bytes of a float32 one is that much cheaper per step."""
+    if choice == "auto":
+        return torch.bfloat16 if fast_bfloat16(device) else target_dtype
+    return target_dtype if choice is None else dtype_named(choice)
+
+
 def compile_forward(target: Target) -> Target:
     """decode.compile=true: the target's forward captured by torch.compile (inductor's fused
     kernels). Target.forward buckets shapes, so a decode compiles a few graphs once each: one
