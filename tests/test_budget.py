@@ -155,7 +155,8 @@ def test_measured_sizes_correct_the_curve_and_the_controller_takes_a_steps_last_
     sizes = np.arange(1, 17)[:, None]
     predicted = model.predict(sizes, np.full_like(sizes, 300))
     np.testing.assert_allclose(predicted, [stepped(n) for n in range(1, 17)], rtol=1e-9 + 3 * noise)
-    assert model.predict(np.array([[17]]), np.array([[300]]))[0] == model.predict(np.array([[17]]), np.array([[300]]), corrected=False)[0]
+    past = model.predict(np.array([[17, 16]]).T, np.array([[300, 300]]).T) / model.predict(np.array([[17, 16]]).T, np.array([[300, 300]]).T, corrected=False)
+    assert past[0] == pytest.approx(past[1])  # past the measured sizes: the largest's correction
     budget.recent.drafted.append((0.0, 0.0, 2.0, 0.02))
     chosen = budget.size([chain(15, 0.9)], [300])[0].n_nodes + 1  # tokens forwarded: the root too
     assert chosen % 4 == 0  # the last size of its step
@@ -541,3 +542,24 @@ def test_a_gpu_profile_on_the_cpu_warns():
 def test_the_probe_times_real_forwards(tiny_qwen3):
     times = bastion.budget.latency.probe_times(tiny_qwen3, (1, 4), context=16, repeats=2)  # [sizes][repeats]
     assert len(times) == 2 and all(len(ts) == 2 and all(t > 0 for t in ts) for ts in times)
+
+
+def test_sizes_between_measured_ones_take_their_neighbours_corrections():
+    """Only the probe's sizes are measured, 16 apart past 16 (24, 32, 48, ...) and all above a
+    smooth curve (here 25%): a size between two of them is forecast from its neighbours'
+    corrections, not from the bare curve, which would make it look cheaper than both, and the
+    controller would jump to it."""
+    model = controller(TRUE_CPU).latency
+    for n in (*range(1, 17), 24, 32, 48):
+        flops, moved = model.cost.flops_bytes(np.array([n]), np.array([300]))
+        model.probed[n] = (float(flops), float(moved), 1.25 * float(model.predict(np.array([[n]]), np.array([[300]]), corrected=False)[0]))
+    model.correct()
+    sizes = np.arange(1, 49)[:, None]
+    ratio = model.predict(sizes, np.full_like(sizes, 300)) / model.predict(sizes, np.full_like(sizes, 300), corrected=False)
+    np.testing.assert_allclose(ratio, 1.25, rtol=1e-9)  # measured sizes and the sizes between them alike
+    assert model.predict(np.array([[64]]), np.array([[300]]))[0] == pytest.approx(1.25 * model.predict(np.array([[64]]), np.array([[300]]), corrected=False)[0])  # past them: the largest's
+    model.probed[32] = (*model.probed[32][:2], model.probed[32][2] / 1.25)  # one size on the curve: a straight line to it
+    model.correct()
+    corrections = model.correction[[24, 28, 32, 40, 48]]
+    assert corrections[0] > corrections[1] > corrections[2] < corrections[3] < corrections[4]
+    np.testing.assert_allclose(corrections[1], (corrections[0] + corrections[2]) / 2)

@@ -16,7 +16,8 @@ or 8 tokens can cost the same and 9 a step more (CPU and GPU alike). A controlle
 smooth curve picks sizes on the low side of such a step, paying for tokens it does not verify.
 So each forward size the model has seen measured (the probe covers every size up to 16)
 keeps a correction: the median log ratio of its measured times to the curve's, shrunk towards
-the curve as far as the spread of repeated measurements says it could be noise.
+the curve as far as the spread of repeated measurements says it could be noise; sizes between
+measured ones take their neighbours' corrections, interpolated.
 
 A cached probe was taken on another day, and a machine's pace drifts between runs (another
 process, clocks, the host's load): the probe's times then all sit above or below today's by
@@ -89,7 +90,7 @@ class LatencyModel:
     by_size: dict[int, list[tuple[float, float, float]]] = field(default_factory=dict)  # tokens forwarded -> its last points
     probed: dict[int, tuple[float, float, float]] = field(default_factory=dict)  # tokens forwarded -> the probe's point
     level: float = 0.0  # log(the probe's times / this run's) for the same forward: the pace's drift since the probe
-    correction: np.ndarray = field(default_factory=lambda: np.zeros(0))  # [sizes] log(measured / curve), 0 where unseen
+    correction: np.ndarray = field(default_factory=lambda: np.zeros(0))  # [0 .. largest measured size] log(measured / curve)
 
     def __post_init__(self):
         if self.prior is None and self.theta is not None:
@@ -104,14 +105,13 @@ class LatencyModel:
 
     def predict(self, new_tokens: np.ndarray, contexts: np.ndarray, corrected: bool = True) -> np.ndarray:
         """Seconds of forwards of new_tokens [..., rows] after contexts [..., rows]: the curve,
-        corrected at sizes (total tokens) measured before unless `corrected` is false."""
+        corrected by size (total tokens; `correct`) unless `corrected` is false."""
         new_tokens = np.asarray(new_tokens)
         flops, moved = self.cost.flops_bytes(new_tokens, np.asarray(contexts))
         seconds = self._predict(self.theta, flops, moved)
         if not (corrected and len(self.correction)):
             return seconds
-        size = new_tokens.sum(-1)
-        return seconds * np.exp(np.where(size < len(self.correction), self.correction[np.minimum(size, len(self.correction) - 1)], 0.0))
+        return seconds * np.exp(self.correction[np.minimum(new_tokens.sum(-1), len(self.correction) - 1)])
 
     def _predict(self, theta, flops, moved):
         t0, a, b, p = np.exp(theta[0]), np.exp(theta[1]), np.exp(theta[2]), 1 + np.exp(theta[3]) - 1e-3
@@ -149,16 +149,19 @@ class LatencyModel:
     def correct(self) -> None:
         """Each measured size's correction against the current curve: the median of the log
         ratios of its last SIZE_POINTS times (the probe's, at the probe's level, first) to the
-        curve, shrunk towards the curve as far as it could be noise (`shrunk`)."""
+        curve, shrunk towards the curve as far as it could be noise (`shrunk`). A size between
+        measured ones takes their corrections interpolated, one past them the largest's: priced
+        by the bare curve, sizes between the probe's 24 and 32 tokens looked cheaper than both
+        wherever the curve ran below its measured neighbours, and the controller jumped to them."""
         residuals = {}  # size -> [points] log(measured / curve)
         for size in {*self.by_size, *self.probed}:
             probed = [(*self.probed[size], self.level)] if size in self.probed else []
             kept = probed + [(*point, 0.0) for point in self.by_size.get(size, [])]
             flops, moved, seconds, level = map(np.asarray, zip(*kept[-SIZE_POINTS:]))
             residuals[size] = np.log(seconds) - level - np.log(self._predict(self.theta, flops, moved))
-        correction = np.zeros(max(residuals, default=-1) + 1)
-        correction[list(residuals)] = shrunk(list(residuals.values()))
-        self.correction = correction
+        sizes = sorted(residuals)
+        corrections = shrunk([residuals[size] for size in sizes])
+        self.correction = np.interp(np.arange(sizes[-1] + 1 if sizes else 0), sizes, corrections) if sizes else np.zeros(0)
 
     def distinct_sizes(self) -> int:
         """Distinct forward costs among the points: enough of them make the curve's shape (p) identifiable."""
