@@ -8,7 +8,9 @@ Greedy decoding is lossless, so the output is AR's, and it says for every step a
 n how many tokens verifying the tree's first n nodes would have given. Printed per n: tokens
 per step as forecast (1 + A_hat(n), calibrated by rank) and as they would have been, verify
 time as forecast and as measured here (target forwards of n + 1 tokens), the speedups both
-imply, and how often the controller chose n (up to the next size listed). Then per rank of the whole trees the policy
+imply, and how often the controller chose n (up to the next size listed). Then, by the size
+chosen, tokens per step forecast and true at that size and at 4 nodes: whether the steps that
+chose a size were forecast too well there (the optimizer's curse). Then per rank of the whole trees the policy
 built (binned by powers of two): their summed path probability, how many lie on the target's
 path, the ratio, and the controller's own ratio at the bin's first rank at the end (learned
 from the nodes it verified).
@@ -17,7 +19,7 @@ from the nodes it verified).
 from __future__ import annotations
 
 import sys
-from collections import Counter
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import numpy as np
@@ -73,13 +75,16 @@ def main(argv: list[str]) -> None:
     forecast = {n: [] for n in SIZES}
     verify_forecast = {n: [] for n in SIZES}
     costs = []
+    by_choice = defaultdict(list)  # size chosen -> per step [forecast, true] tokens at it, then at 4 nodes
     bins = np.zeros((2, budget.max_nodes.bit_length()))  # per rank bin (1, 2-3, 4-7, ...): summed path probability, nodes on the target's path
     for prompt in prompts:
         start = len(steps)
         out = generate(target, [prompt], drafter=drafter, policy=policy, budget=budget, max_new_tokens=cfg.decode.max_new_tokens)
         sequence = prompt + out.generations[0].tokens
-        for ctx, tree, tokens, verify, draft_s, other_s, _ in steps[start:]:
+        for ctx, tree, tokens, verify, draft_s, other_s, picked in steps[start:]:
             path = accepted_path(tree, sequence[ctx + 1 :])
+            by_choice[picked].append([float(tokens[picked]), 1 + sum(node <= picked for node in path),
+                                      float(tokens[min(4, tree.n_nodes)]), 1 + sum(node <= 4 for node in path)])
             ranks = np.log2(np.arange(1, tree.n_nodes + 1)).astype(int)  # exact at powers of two
             np.add.at(bins[0], ranks, np.exp(tree.logq[1:]))
             np.add.at(bins[1], ranks[np.array(path, dtype=int) - 1], 1)
@@ -109,6 +114,9 @@ def main(argv: list[str]) -> None:
         picked = sum(c for k, c in chosen.items() if n <= k and (n == SIZES[-1] or k < SIZES[SIZES.index(n) + 1]))
         print(f"{n:>3} {tokens_fc:>9.3f} {tokens_cf:>9.3f} {verify_fc:>9.2f} {1e3 * measured[n]:>9.2f} "
               f"{tokens_fc * ar_s / step_fc:>6.3f} {tokens_cf * ar_s / step_true:>6.3f} {picked:>6}")
+    print(f"{'chosen':>6} {'steps':>5} {'fc there':>8} {'cf there':>8} {'fc at 4':>7} {'cf at 4':>7}   (tokens per step: forecast, counterfactual)")
+    for n in sorted(by_choice):
+        print(f"{n:>6} {len(by_choice[n]):>5} " + " ".join(f"{x:>{w}.3f}" for x, w in zip(np.mean(by_choice[n], 0), (8, 8, 7, 7))))
     print(f"{'ranks':<9} {'A_hat':>8} {'accepted':>8} {'ratio':>6} {'learned':>7}")
     learned = budget.rank_ratios()
     for b, (believed, hits) in enumerate(bins.T):

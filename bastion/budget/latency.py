@@ -51,6 +51,7 @@ from bastion.models.transformer import ModelArgs
 
 PROBE_SIZES = (*range(1, 17), 24, 32, 48, 64, 128, 256)
 SIZE_POINTS = 16  # measured times kept per forward size for its correction
+RECENT = 64  # forwards measured since, after which a time no longer counts towards its size's correction
 
 
 @dataclass
@@ -87,7 +88,9 @@ class LatencyModel:
     prior: np.ndarray = field(default=None)  # what fits are pulled towards: the profile's, or the probe's fit
     points: list[tuple[float, float, float]] = field(default_factory=list)  # (flops, bytes, seconds) measured in this run
     max_points: int = 256
-    by_size: dict[int, list[tuple[float, float, float]]] = field(default_factory=dict)  # tokens forwarded -> its last points
+    by_size: dict[int, list[tuple[float, float, float, int]]] = field(default_factory=dict)  # tokens forwarded -> its last
+    # points, each with its forward's number in the run
+    forwards: int = 0  # forwards measured in this run
     probed: dict[int, tuple[float, float, float]] = field(default_factory=dict)  # tokens forwarded -> the probe's point
     level: float = 0.0  # log(the probe's times / this run's) for the same forward: the pace's drift since the probe
     correction: np.ndarray = field(default_factory=lambda: np.zeros(0))  # [0 .. largest measured size] log(measured / curve)
@@ -148,20 +151,26 @@ class LatencyModel:
 
     def correct(self) -> None:
         """Each measured size's correction against the current curve: the median of the log
-        ratios of its last SIZE_POINTS times (the probe's, at the probe's level, first) to the
-        curve, shrunk towards the curve as far as it could be noise (`shrunk`). A size between
+        ratios of its last SIZE_POINTS times within the last RECENT forwards (the probe's, at the
+        probe's level, first) to the curve, shrunk towards the curve as far as it could be noise
+        (`shrunk`). Times expire because the pace drifts within a run too: a size measured in a
+        slow minute and not chosen since kept that minute's pace as its correction against a
+        curve that followed the pace on, so the controller kept off it for good and alternated
+        between the few sizes it went on measuring (experiments/NOTES.md). A size between
         measured ones takes their corrections interpolated, one past them the largest's: priced
         by the bare curve, sizes between the probe's 24 and 32 tokens looked cheaper than both
         wherever the curve ran below its measured neighbours, and the controller jumped to them."""
         residuals = {}  # size -> [points] log(measured / curve)
         for size in {*self.by_size, *self.probed}:
             probed = [(*self.probed[size], self.level)] if size in self.probed else []
-            kept = probed + [(*point, 0.0) for point in self.by_size.get(size, [])]
+            kept = probed + [(*point[:3], 0.0) for point in self.by_size.get(size, []) if point[3] > self.forwards - RECENT]
+            if not kept:
+                continue
             flops, moved, seconds, level = map(np.asarray, zip(*kept[-SIZE_POINTS:]))
             residuals[size] = np.log(seconds) - level - np.log(self._predict(self.theta, flops, moved))
         sizes = sorted(residuals)
         corrections = shrunk([residuals[size] for size in sizes])
-        self.correction = np.interp(np.arange(sizes[-1] + 1 if sizes else 0), sizes, corrections) if sizes else np.zeros(0)
+        self.correction = np.interp(np.arange(sizes[-1] + 1), sizes, corrections) if sizes else np.zeros(0)
 
     def distinct_sizes(self) -> int:
         """Distinct forward costs among the points: enough of them make the curve's shape (p) identifiable."""
@@ -177,8 +186,9 @@ class LatencyModel:
         flops, moved = self.cost.flops_bytes(np.asarray(new_tokens), np.asarray(contexts))
         flops, moved = float(flops), float(moved)
         self.observe(flops, moved, seconds)
+        self.forwards += 1
         kept = self.by_size.setdefault(int(sum(new_tokens)), [])
-        kept.append((flops, moved, seconds))
+        kept.append((flops, moved, seconds, self.forwards))
         del kept[:-SIZE_POINTS]
         return math.log(seconds / float(self._predict(self.theta, flops, moved)))
 

@@ -146,8 +146,8 @@ def fast_bfloat16(device: str | torch.device) -> bool:
 def drafter_dtype(choice: str | None, device: str | torch.device, target_dtype: torch.dtype) -> torch.dtype:
     """A drafter's dtype: `choice` by name, the target's (None), or `auto`: bfloat16 where its
     matmuls are fast on `device`, else the target's. A drafter only proposes, so its rounding
-    changes which tokens are drafted, never the output, and a drafter that streams half the
-    bytes of a float32 one is that much cheaper per step."""
+    changes which tokens are drafted, never the output, while bfloat16 halves the bytes its
+    weights stream each step."""
     if choice == "auto":
         return torch.bfloat16 if fast_bfloat16(device) else target_dtype
     return target_dtype if choice is None else dtype_named(choice)
