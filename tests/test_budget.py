@@ -14,7 +14,7 @@ import torch
 import bastion.budget.latency
 from bastion.budget.controller import BastionBudget, merge_best_first
 from bastion.budget.hardware import HardwareProfile, cpu_model, profile_from_config
-from bastion.budget.latency import SIZE_POINTS, ForwardCost, LatencyModel, calibrated, probe, probe_problem
+from bastion.budget.latency import RECENT, SIZE_POINTS, ForwardCost, LatencyModel, calibrated, probe, probe_problem
 from bastion.budget.stretch import ARStretch
 from bastion.models.transformer import ModelArgs
 from bastion.tree.draft_tree import DraftTree
@@ -563,3 +563,32 @@ def test_sizes_between_measured_ones_take_their_neighbours_corrections():
     corrections = model.correction[[24, 28, 32, 40, 48]]
     assert corrections[0] > corrections[1] > corrections[2] < corrections[3] < corrections[4]
     np.testing.assert_allclose(corrections[1], (corrections[0] + corrections[2]) / 2)
+
+
+def test_a_size_measured_in_a_slow_minute_is_priced_by_the_probe_again_once_its_times_expire():
+    """The pace drifts within a run: a size measured only in a slow minute (here 1.5x) and not
+    chosen since would keep that minute's pace as its correction for good, while the sizes the
+    controller goes on choosing follow the pace back, and it would never be chosen again. Its
+    times count for RECENT forwards; then the probe's point prices it again."""
+    model = controller(TRUE_CPU).latency
+
+    def curve(n: int) -> float:
+        return float(model.predict(np.array([[n]]), np.array([[300]]), corrected=False)[0])
+
+    for n in range(1, 17):
+        flops, moved = model.cost.flops_bytes(np.array([n]), np.array([300]))
+        model.probed[n] = (float(flops), float(moved), curve(n))
+    rng = np.random.default_rng(0)
+    for _ in range(8):
+        model.observe_forward([6], [300], 1.5 * curve(6) * math.exp(rng.normal(0, 0.01)))
+    model.correct()
+    assert model.correction[6] > 0.3  # its repeats agree: as far as they tell, a real step of the kernels
+    for expired in (False, True):
+        for i in range(RECENT - 8 if not expired else 8):
+            n = 4 if i % 2 else 11
+            model.observe_forward([n], [300], curve(n) * math.exp(rng.normal(0, 0.01)))
+        model.correct()
+        if expired:  # 64 forwards since its last time
+            assert abs(model.correction[6]) < 0.02
+        else:  # all its times are within the last 64 forwards
+            assert model.correction[6] > 0.3
