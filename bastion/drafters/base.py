@@ -97,9 +97,10 @@ class DraftVocabulary:
 
     def draft_head(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., h] -> logits over the draft vocabulary [..., V'] (the whole one without)."""
-        if self.draft_vocab is None and hidden.dtype == self.target.dtype:
+        weight = self.head_weight(hidden.dtype)
+        if weight is self.target.model.lm_head.weight:  # the target's own head, as it is packed
             return self.target.model.lm_head(hidden)
-        return linear(hidden, self.head_weight(hidden.dtype), self._head_packed)
+        return linear(hidden, weight, self._head_packed)
 
     def in_full_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits [..., V'] -> [..., V], -inf outside it (float32 at least)."""
