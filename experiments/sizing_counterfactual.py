@@ -95,10 +95,8 @@ def main(argv: list[str]) -> None:
                 verify_forecast[n].append(float(verify[k]))
             costs.append((draft_s, other_s))
     contexts = int(np.median([s[0] for s in steps]))
-    # passes over every size, not repeats of one after another: a burst of load on a shared machine then
-    # slows one pass of every size rather than all of one size's measurements
-    passes = [probe_times(target, [n + 1 for n in SIZES], contexts, repeats=1) for _ in range(7)]
-    measured = {n: float(np.median([p[i] for p in passes])) for i, n in enumerate(SIZES)}
+    times = probe_times(target, [n + 1 for n in SIZES], contexts, repeats=7)  # [sizes][repeats]
+    measured = {n: float(np.median(ts)) for n, ts in zip(SIZES, times)}
     draft_s, other_s = (float(np.median(c)) for c in zip(*costs))
     ar_s = measured[0] + other_s
     chosen = Counter(s[-1] for s in steps)

@@ -539,9 +539,32 @@ def test_a_gpu_profile_on_the_cpu_warns():
         assert profile_from_config(h100, "cpu", []).name == "h100"
 
 
-def test_the_probe_times_real_forwards(tiny_qwen3):
+def test_the_probe_times_real_forwards_in_passes_over_every_size(tiny_qwen3, monkeypatch):
+    """A slow second must slow one time of every size, which the medians drop, not all of one size's."""
+    forwarded = []
+    forward = tiny_qwen3.forward
+    monkeypatch.setattr(tiny_qwen3, "forward", lambda tokens, *rest: forwarded.append(tokens.shape[1]) or forward(tokens, *rest))
     times = bastion.budget.latency.probe_times(tiny_qwen3, (1, 4), context=16, repeats=2)  # [sizes][repeats]
     assert len(times) == 2 and all(len(ts) == 2 and all(t > 0 for t in ts) for ts in times)
+    assert forwarded == [1, 4] * 3  # an untimed pass, then two timed
+
+
+def test_a_probe_size_slower_than_a_larger_one_is_pooled_with_it(tiny_qwen3, monkeypatch, tmp_path):
+    """A forward's cost only grows with its tokens: a probe median above a larger size's is noise
+    and, kept, would price its size off the controller's choices for good. Sizes out of order
+    are pooled (geometric mean); a real step of the kernels (flat, then a jump) is kept."""
+    stepped = [[0.040] * 3, [0.040] * 3, [0.052] * 3, [0.046] * 3, [0.060] * 3]  # sizes 1-5: 3 tokens at 52 ms, 4 at 46
+    fake_probes(monkeypatch, stepped)
+    model = calibrated(tiny_qwen3, HardwareProfile("cpu", {"float64": 0.05}, 8.0), tmp_path)
+    seconds = {n: point[2] for n, point in model.probed.items()}
+    pooled = math.sqrt(0.052 * 0.046)
+    assert seconds == pytest.approx({1: 0.040, 2: 0.040, 3: pooled, 4: pooled, 5: 0.060})
+    (path,) = (tmp_path / "latency").glob("*.json")
+    saved = json.loads(path.read_text())
+    saved["probed"]["3"][2], saved["probed"]["4"][2] = 0.052, 0.046  # a file cached before probes were pooled
+    path.write_text(json.dumps(saved))
+    cached = calibrated(tiny_qwen3, HardwareProfile("cpu", {"float64": 0.05}, 8.0), tmp_path)
+    assert cached.probed[3][2] == pytest.approx(pooled)
 
 
 def test_sizes_between_measured_ones_take_their_neighbours_corrections():

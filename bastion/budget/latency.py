@@ -217,7 +217,7 @@ def shrunk(residuals: list[np.ndarray]) -> np.ndarray:
     return medians * np.divide(spread, spread + variance, out=np.ones_like(variance), where=spread + variance > 0)
 
 
-def probe(target, model: LatencyModel, sizes=PROBE_SIZES, context: int = 256, repeats: int = 3, attempts: int = 2) -> None:
+def probe(target, model: LatencyModel, sizes=PROBE_SIZES, context: int = 256, repeats: int = 5, attempts: int = 2) -> None:
     """Time target forwards of `sizes` chain tokens after `context` cached tokens, and fit.
     Timings that cannot be right (see `probe_problem`) are measured again, and refused in one
     sentence if they still are: a fit cached from a busy machine would mis-size every later run."""
@@ -233,19 +233,21 @@ def probe(target, model: LatencyModel, sizes=PROBE_SIZES, context: int = 256, re
     for n, ts in zip(sizes, times):
         flops, moved = model.cost.flops_bytes(np.array([n]), np.array([context]))
         model.probed[n] = (float(flops), float(moved), float(np.median(ts)))
+    model.probed = nondecreasing(model.probed)
     model.level = 0.0
     model.fit(fit_shape=True, prior_weight=1e-3)
 
 
 def probe_times(target, sizes, context: int, repeats: int) -> list[list[float]]:
-    """Seconds of `repeats` forwards of each size (after one untimed warm-up each)."""
+    """Seconds of `repeats` forwards of each size [sizes][repeats], taken in passes over every
+    size (after one untimed pass): a slow second of a shared machine then slows one time of
+    every size, which the median drops, rather than all of one size's times."""
     device = target.device
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, target.args.vocab_size, (1, context + max(sizes)), generator=gen).to(device)
-    times = []
-    for n in tqdm(sizes, desc="latency probe", unit="size", leave=False):
-        runs = []
-        for _ in range(repeats + 1):
+    times = [[] for _ in sizes]
+    for _ in tqdm(range(repeats + 1), desc="latency probe", unit="pass", leave=False):
+        for n, runs in zip(sizes, times):
             cache = target.new_cache(1, context + target.padded(n))  # a compiled target runs a bucket of n
             cache.lengths = [context]
             mask = torch.ones(1, n, n, dtype=torch.bool, device=device).tril()
@@ -253,8 +255,26 @@ def probe_times(target, sizes, context: int, repeats: int) -> list[list[float]]:
             hidden, _ = target.forward(tokens[:, context : context + n], torch.arange(n, device=device)[None], mask, cache)
             target.argmax(hidden)  # what a greedy verification reads of it
             runs.append(now(device) - t0)
-        times.append(runs[1:])
-    return times
+    return [runs[1:] for runs in times]
+
+
+def nondecreasing(probed: dict[int, tuple[float, float, float]]) -> dict[int, tuple[float, float, float]]:
+    """The probe's points (size -> flops, bytes, median seconds) with their times made
+    non-decreasing in the size (least squares on log time, by pooling adjacent violators). A
+    forward's cost only grows with its tokens, so a size slower than a larger one is noise;
+    kept as it was, its correction priced that size above its neighbours, the controller never
+    chose it, and nothing ever re-measured it (experiments/NOTES.md). Real steps of the kernels
+    (flat, then a jump) are non-decreasing and pass unchanged."""
+    sizes = sorted(probed)
+    blocks = []  # [sum of log seconds, count] per run of pooled sizes
+    for n in sizes:
+        blocks.append([math.log(probed[n][2]), 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    seconds = [math.exp(total / count) for total, count in blocks for _ in range(count)]
+    return {n: (*probed[n][:2], t) for n, t in zip(sizes, seconds)}
 
 
 def probe_problem(sizes, times: list[list[float]], spread: float = 2.0, drop: float = 0.6, floor: float = 1e-3) -> str | None:
@@ -310,6 +330,6 @@ def read_calibration(path: Path, model: LatencyModel) -> bool:
     except (ValueError, KeyError, TypeError, AttributeError) as error:
         warnings.warn(f"{path} is not a latency calibration ({error!r}); re-measuring and overwriting it.", stacklevel=3)
         return False
-    model.theta, model.probed = theta, probed
+    model.theta, model.probed = theta, nondecreasing(probed)  # a file from before probes were made non-decreasing
     model.correct()
     return True
