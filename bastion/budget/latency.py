@@ -230,10 +230,11 @@ def probe(target, model: LatencyModel, sizes=PROBE_SIZES, context: int = 256, re
             raise ValueError(f"The latency probe of {target.name} measured {problem}: the machine looks busy. "
                              "Rerun when it is idle (or use budget=fixed, which needs no probe).")
         warnings.warn(f"latency probe: {problem}; measuring again", stacklevel=2)
+    points = {}  # size -> (flops, bytes, median seconds)
     for n, ts in zip(sizes, times):
         flops, moved = model.cost.flops_bytes(np.array([n]), np.array([context]))
-        model.probed[n] = (float(flops), float(moved), float(np.median(ts)))
-    model.probed = nondecreasing(model.probed)
+        points[n] = (float(flops), float(moved), float(np.median(ts)))
+    model.probed = nondecreasing(points)
     model.level = 0.0
     model.fit(fit_shape=True, prior_weight=1e-3)
 
