@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from bastion.models import attention
 from bastion.models.attention import Groups, Layout, attend, choose_kernel, flex_options, matmul_attention
 
 
@@ -68,12 +69,17 @@ def test_sdpa_equals_the_reference(shape):
     assert torch.allclose(attend(q, k, v, layout), reference(q, k, v, layout), atol=1e-5)
 
 
+@pytest.mark.parametrize("matmuls", [True, False])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", [dict(), dict(Hkv=4), dict(tree=False), dict(N=1, prefix=(3, 9, 1))])
-def test_short_half_precision_queries_on_cpu_equal_the_reference(shape, dtype):
-    """bfloat16/float16 decode and verify steps take the matmul path on a CPU (MATMUL_QUERIES)."""
+def test_short_half_precision_queries_on_cpu_equal_the_reference(shape, dtype, matmuls, monkeypatch):
+    """bfloat16/float16 decode and verify steps on a CPU, by matmuls (no AMX) or the flash kernel (AMX)."""
+    monkeypatch.setattr(attention, "cpu_matmuls_beat_flash", lambda: matmuls)
+    calls = []
+    monkeypatch.setattr(attention, "matmul_attention", lambda *a: calls.append(1) or matmul_attention(*a))
     q, k, v, layout = case(**shape, dtype=dtype)
     assert torch.allclose(attend(q, k, v, layout).float(), reference(q, k, v, layout), atol=2e-2)
+    assert len(calls) == matmuls
 
 
 def test_matmul_attention_gives_zeros_where_a_query_sees_nothing_as_sdpa_does():

@@ -28,7 +28,7 @@ from bastion.models.dynamo import allow_recompiles
 KERNELS = ("sdpa", "flex", "triton")
 FLEX_BLOCK = 128  # FlexAttention's block of queries and of keys (its default)
 FLEX_DECODE_ROWS = 128  # query rows (N x query heads per KV head) inductor's flex decoding kernel fits in a block
-MATMUL_QUERIES = 32  # longest query that sdpa() runs as matmuls in bfloat16/float16 on a CPU (at 64 the flash kernel wins)
+MATMUL_QUERIES = 32  # longest query that sdpa() runs as matmuls in bfloat16/float16 on a CPU without AMX (at 64 the flash kernel wins)
 
 
 def choose_kernel(name: str, device: torch.device | str) -> str:
@@ -156,13 +156,23 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Layout | Gro
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """SDPA under a dense [B, 1, N, S] bool mask -> [B, H, N, D]. On a CPU, a short bfloat16 or
-    float16 query (a decode or verify step) runs as two batched matmuls instead: PyTorch's CPU
-    flash kernel takes many times longer there (the self-distillation data's AR steps;
-    experiments/NOTES.md), and matmuls are what AVX512-BF16 and AMX speed up."""
-    if q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16) and q.shape[2] <= MATMUL_QUERIES:
+    """SDPA under a dense [B, 1, N, S] bool mask -> [B, H, N, D]. On a CPU without AMX, a short
+    bfloat16 or float16 query (a decode or verify step) runs as two batched matmuls instead
+    (cpu_matmuls_beat_flash)."""
+    if (q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16) and q.shape[2] <= MATMUL_QUERIES
+            and cpu_matmuls_beat_flash()):
         return matmul_attention(q, k, v, mask)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+@cache
+def cpu_matmuls_beat_flash() -> bool:
+    """Whether short half-precision queries attend faster by matmuls than by PyTorch's CPU flash
+    kernel. Without AMX they do: with AVX512-BF16 alone (a Zen 5) the flash kernel takes many
+    times longer (the self-distillation data's AR steps). With AMX the flash kernel wins, since
+    oneDNN builds a new AMX matmul for every key length it meets and a decode's grows every step
+    (both measured in experiments/NOTES.md)."""
+    return not torch.cpu._is_amx_tile_supported()
 
 
 def matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
