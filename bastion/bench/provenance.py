@@ -36,6 +36,7 @@ def run_metadata(cfg: DictConfig) -> dict:
     import torch
 
     from bastion.budget.hardware import device_name  # torch-heavy: the report reads machine.json without it
+    from bastion.models.cpu import has_amx
 
     return {
         "device": device_name(cfg.device),
@@ -49,13 +50,6 @@ def run_metadata(cfg: DictConfig) -> dict:
         "transformers": version("transformers"),
         "commit": git_commit(CHECKOUT),
     }
-
-
-def has_amx(device: str) -> bool | None:
-    """Whether the CPU has AMX tiles (fast bfloat16 matmuls); None on a GPU run."""
-    import torch
-
-    return None if device.startswith("cuda") else torch.cpu._is_amx_tile_supported()
 
 
 def git_commit(checkout: Path) -> str | None:

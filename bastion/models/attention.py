@@ -23,6 +23,7 @@ from functools import cache
 import torch
 import torch.nn.functional as F
 
+from bastion.models.cpu import has_amx
 from bastion.models.dynamo import allow_recompiles
 
 KERNELS = ("sdpa", "flex", "triton")
@@ -172,7 +173,7 @@ def cpu_matmuls_beat_flash() -> bool:
     times longer (the self-distillation data's AR steps). With AMX the flash kernel wins, since
     oneDNN builds a new AMX matmul for every key length it meets and a decode's grows every step
     (both measured in experiments/NOTES.md)."""
-    return not torch.cpu._is_amx_tile_supported()
+    return not has_amx()
 
 
 def matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

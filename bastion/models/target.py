@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 
 from bastion.files import read_json
 from bastion.models.attention import choose_kernel
+from bastion.models.cpu import has_amx
 from bastion.models.dynamo import allow_recompiles
 from bastion.models.kv_cache import KVCache
 from bastion.models.loading import resolve_source
@@ -140,7 +141,7 @@ def fast_bfloat16(device: str | torch.device) -> bool:
     than float32 (experiments/NOTES.md)."""
     if str(device).startswith("cuda"):
         return torch.cuda.is_bf16_supported()
-    return torch.backends.mkldnn.is_available() and (torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported())
+    return torch.backends.mkldnn.is_available() and (has_amx(device) or torch.cpu._is_avx512_bf16_supported())
 
 
 def drafter_dtype(choice: str | None, device: str | torch.device, target_dtype: torch.dtype) -> torch.dtype:

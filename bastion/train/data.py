@@ -26,10 +26,10 @@ from datasets import Array2D, Dataset, Features, Sequence, Value, concatenate_da
 from tqdm import tqdm
 
 from bastion.bench.datasets import REASON, chat_tokens, default_data_dir, read_jsonl
-from bastion.bench.provenance import has_amx
 from bastion.budget.hardware import device_name
 from bastion.engine import generate
 from bastion.files import atomic_dir, atomic_write_text, read_json
+from bastion.models.cpu import has_amx
 from bastion.models.target import Target
 from bastion.recorder import FeatureRecorder
 from bastion.sampling import Sampling
