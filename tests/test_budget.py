@@ -12,12 +12,15 @@ import pytest
 import torch
 
 import bastion.budget.latency
+import bastion.models.attention
 from bastion.budget.controller import BastionBudget, merge_best_first
 from bastion.budget.hardware import HardwareProfile, cpu_model, profile_from_config
 from bastion.budget.latency import RECENT, SIZE_POINTS, ForwardCost, LatencyModel, calibrated, probe, probe_problem
 from bastion.budget.stretch import ARStretch
+from bastion.models.attention import attention_path
 from bastion.models.transformer import ModelArgs
 from bastion.tree.draft_tree import DraftTree
+from tests.conftest import load_target, target_config
 
 ARGS = ModelArgs(arch="llama", vocab_size=1000, hidden_size=64, intermediate_size=128, n_layers=2, n_heads=4,
                  n_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, max_position=512, tie_word_embeddings=True,
@@ -520,6 +523,20 @@ def test_a_cached_fit_serves_only_its_machine_and_profile(tiny_qwen3, monkeypatc
     calibrated(tiny_qwen3, cpu, tmp_path)
     assert len(calls) == 3 and len(list((tmp_path / "latency").glob("*.json"))) == 3
 
+
+
+def test_a_cached_fit_names_the_cpu_attention_path_of_a_half_precision_target(monkeypatch, tmp_path):
+    """sdpa() runs half-precision queries on a CPU as matmuls or by the flash kernel, by what the
+    CPU is and what was measured there: a fit taken on one path must not price the other."""
+    calls = fake_probes(monkeypatch, IDLE_PROBE)
+    bf16 = load_target(**target_config("tiny_qwen3", dtype="bfloat16"))
+    cpu = HardwareProfile("cpu", {"bfloat16": 0.05}, 8.0)
+    for matmuls in (True, False, True):
+        monkeypatch.setattr(bastion.models.attention, "cpu_matmuls_beat_flash", lambda m=matmuls: m)
+        calibrated(bf16, cpu, tmp_path)
+    assert len(calls) == 2  # one probe per path, the third calibration from the first's cache
+    assert sorted(p.name.split("__")[5] for p in (tmp_path / "latency").glob("*.json")) == ["sdpa-flash", "sdpa-matmul"]
+    assert attention_path("sdpa", "cpu", torch.float32) == "sdpa" and attention_path("flex", "cuda", torch.bfloat16) == "flex"
 
 def test_a_cpu_is_known_by_its_family_and_model_too():
     """A cloud CPU may be named "AMD EPYC" whatever its generation: a Zen 3 and a Zen 5 (3x apart

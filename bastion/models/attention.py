@@ -176,6 +176,16 @@ def cpu_matmuls_beat_flash() -> bool:
     return not has_amx()
 
 
+def attention_path(kernel: str, device: torch.device | str, dtype: torch.dtype) -> str:
+    """The attention a target's decode steps run, as latency caches name it: `kernel`, and for
+    SDPA on a CPU with half-precision queries which of sdpa()'s two paths (matmuls or the flash
+    kernel, cpu_matmuls_beat_flash), since they cost differently and the choice has changed
+    with what was measured: a fit taken on one must not price the other."""
+    if kernel == "sdpa" and torch.device(device).type == "cpu" and dtype in (torch.bfloat16, torch.float16):
+        return "sdpa-matmul" if cpu_matmuls_beat_flash() else "sdpa-flash"
+    return kernel
+
+
 def matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """SDPA's result by matmuls, softmax in float32; the query heads that share a KV head are
     stacked as one matmul's rows, so K/V are never repeated. A query that may attend nowhere
