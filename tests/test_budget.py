@@ -524,7 +524,6 @@ def test_a_cached_fit_serves_only_its_machine_and_profile(tiny_qwen3, monkeypatc
     assert len(calls) == 3 and len(list((tmp_path / "latency").glob("*.json"))) == 3
 
 
-
 def test_a_cached_fit_names_the_cpu_attention_path_of_a_half_precision_target(monkeypatch, tmp_path):
     """sdpa() runs half-precision queries on a CPU as matmuls or by the flash kernel, by what the
     CPU is and what was measured there: a fit taken on one path must not price the other."""
@@ -537,6 +536,7 @@ def test_a_cached_fit_names_the_cpu_attention_path_of_a_half_precision_target(mo
     assert len(calls) == 2  # one probe per path, the third calibration from the first's cache
     assert sorted(p.name.split("__")[5] for p in (tmp_path / "latency").glob("*.json")) == ["sdpa-flash", "sdpa-matmul"]
     assert attention_path("sdpa", "cpu", torch.float32) == "sdpa" and attention_path("flex", "cuda", torch.bfloat16) == "flex"
+
 
 def test_a_cpu_is_known_by_its_family_and_model_too():
     """A cloud CPU may be named "AMD EPYC" whatever its generation: a Zen 3 and a Zen 5 (3x apart
