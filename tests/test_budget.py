@@ -18,9 +18,10 @@ from bastion.budget.hardware import HardwareProfile, cpu_model, profile_from_con
 from bastion.budget.latency import RECENT, SIZE_POINTS, ForwardCost, LatencyModel, calibrated, probe, probe_problem
 from bastion.budget.stretch import ARStretch
 from bastion.models.attention import attention_path
+from bastion.models.target import load_target
 from bastion.models.transformer import ModelArgs
 from bastion.tree.draft_tree import DraftTree
-from tests.conftest import load_target, target_config
+from tests.conftest import target_config
 
 ARGS = ModelArgs(arch="llama", vocab_size=1000, hidden_size=64, intermediate_size=128, n_layers=2, n_heads=4,
                  n_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, max_position=512, tie_word_embeddings=True,

@@ -160,8 +160,7 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) 
     """SDPA under a dense [B, 1, N, S] bool mask -> [B, H, N, D]. On a CPU without AMX, a short
     bfloat16 or float16 query (a decode or verify step) runs as two batched matmuls instead
     (cpu_matmuls_beat_flash)."""
-    if (q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16) and q.shape[2] <= MATMUL_QUERIES
-            and cpu_matmuls_beat_flash()):
+    if q.shape[2] <= MATMUL_QUERIES and cpu_half_precision(q.device, q.dtype) and cpu_matmuls_beat_flash():
         return matmul_attention(q, k, v, mask)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
 
@@ -176,12 +175,17 @@ def cpu_matmuls_beat_flash() -> bool:
     return not has_amx()
 
 
+def cpu_half_precision(device: torch.device | str, dtype: torch.dtype) -> bool:
+    """Queries sdpa() may run as matmuls rather than by the flash kernel: half precision on a CPU."""
+    return dtype in (torch.bfloat16, torch.float16) and torch.device(device).type == "cpu"  # dtype first: fp32 steps stop there
+
+
 def attention_path(kernel: str, device: torch.device | str, dtype: torch.dtype) -> str:
     """The attention a target's decode steps run, as latency caches name it: `kernel`, and for
     SDPA on a CPU with half-precision queries which of sdpa()'s two paths (matmuls or the flash
     kernel, cpu_matmuls_beat_flash), since they cost differently and the choice has changed
     with what was measured: a fit taken on one must not price the other."""
-    if kernel == "sdpa" and torch.device(device).type == "cpu" and dtype in (torch.bfloat16, torch.float16):
+    if kernel == "sdpa" and cpu_half_precision(device, dtype):
         return "sdpa-matmul" if cpu_matmuls_beat_flash() else "sdpa-flash"
     return kernel
 
