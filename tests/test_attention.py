@@ -5,7 +5,8 @@ import torch
 import torch.nn.functional as F
 
 from bastion.models import attention
-from bastion.models.attention import Groups, Layout, attend, choose_kernel, flex_options, matmul_attention
+from bastion.models.attention import MATMUL_KEY_BUCKET, Groups, Layout, attend, choose_kernel, flex_options, matmul_attention
+from bastion.models.kv_cache import KVCache
 
 
 def random_tree_masks(B: int, N: int, generator: torch.Generator) -> torch.Tensor:
@@ -90,6 +91,32 @@ def test_matmul_attention_gives_zeros_where_a_query_sees_nothing_as_sdpa_does():
     assert torch.equal(out[1, :, 2], torch.zeros_like(out[1, :, 2]))
     expected = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, enable_gqa=True)
     assert torch.allclose(out.float(), expected.nan_to_num(0.0), atol=2e-2)
+
+
+@pytest.mark.parametrize("dtype, matmuls", [(torch.bfloat16, True), (torch.bfloat16, False), (torch.float32, True)])
+def test_a_step_attending_by_half_precision_matmuls_reads_a_bucket_of_keys_the_extra_ones_masked(dtype, matmuls, monkeypatch):
+    """oneDNN builds a half-precision matmul for every shape it meets: a decode step that attends
+    by them reads a multiple of MATMUL_KEY_BUCKET key slots (stale ones past the new tokens,
+    masked); the flash kernel and float32 read exactly the keys there are."""
+    monkeypatch.setattr(attention, "cpu_matmuls_beat_flash", lambda: matmuls)
+    g = torch.Generator().manual_seed(0)
+    B, N, prefix = 2, 4, [70, 5]
+    cache = KVCache(1, B, 2, 16, 200, dtype, "cpu")
+    cache.k.copy_(torch.randn(cache.k.shape, generator=g) * 1e3)  # stale slots hold values that would show if read
+    cache.v.copy_(torch.randn(cache.v.shape, generator=g) * 1e3)
+    cache.k[:, :, :, : max(prefix) + N] /= 1e3
+    cache.v[:, :, :, : max(prefix) + N] /= 1e3
+    cache.lengths = prefix
+    tree = random_tree_masks(B, N, g)
+    _, layout = cache.prepare(N, tree)
+    exact = max(prefix) + N
+    assert layout.n_keys == (MATMUL_KEY_BUCKET * 2 if dtype == torch.bfloat16 and matmuls else exact)
+    assert not layout.sdpa_mask[..., exact:].any()
+    q = torch.randn(B, 4, N, 16, generator=g).to(dtype)
+    keys, values = cache.k[0], cache.v[0]
+    out = attend(q, keys[:, :, : layout.n_keys], values[:, :, : layout.n_keys], layout)
+    expected = reference(q, keys[:, :, :exact], values[:, :, :exact], Layout(layout.prefix, tree, N, exact))
+    assert torch.allclose(out.float(), expected, atol=2e-2)
 
 
 @pytest.mark.parametrize("clean_first", [False, True])

@@ -30,6 +30,7 @@ KERNELS = ("sdpa", "flex", "triton")
 FLEX_BLOCK = 128  # FlexAttention's block of queries and of keys (its default)
 FLEX_DECODE_ROWS = 128  # query rows (N x query heads per KV head) inductor's flex decoding kernel fits in a block
 MATMUL_QUERIES = 32  # longest query that sdpa() runs as matmuls in bfloat16/float16 on a CPU without AMX (at 64 the flash kernel wins)
+MATMUL_KEY_BUCKET = 64  # those matmuls attend over a multiple of this many key slots (key_bucket)
 
 
 def choose_kernel(name: str, device: torch.device | str) -> str:
@@ -188,6 +189,15 @@ def attention_path(kernel: str, device: torch.device | str, dtype: torch.dtype) 
     if kernel == "sdpa" and cpu_half_precision(device, dtype):
         return "sdpa-matmul" if cpu_matmuls_beat_flash() else "sdpa-flash"
     return kernel
+
+
+def key_bucket(kernel: str, device: torch.device | str, dtype: torch.dtype) -> int:
+    """The multiple of key slots a decode step's keys are rounded up to (the extra slots
+    masked): MATMUL_KEY_BUCKET where sdpa() attends by half-precision matmuls, else 1. oneDNN
+    builds a half-precision matmul for each shape it meets and a decode's key length grows
+    every step, so unrounded every drafted step paid a build in its first layer; rounded, a
+    decode meets a new shape every MATMUL_KEY_BUCKET tokens (experiments/NOTES.md)."""
+    return MATMUL_KEY_BUCKET if attention_path(kernel, device, dtype) == "sdpa-matmul" else 1
 
 
 def matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -10,10 +10,12 @@ Lengths live on the host as plain ints, so building a mask never waits for the d
 from __future__ import annotations
 
 import copy
+import math
 
 import torch
 
 from bastion.models.attention import Layout
+from bastion.models.attention import key_bucket as attention_bucket
 from bastion.models.transfer import to_device
 
 
@@ -35,15 +37,16 @@ class KVCache:
         says (True where token i may see token j; None: causally), return the cache slots they
         are written to [B, N] and their attention Layout over the verified prefix and themselves
         (attending over a multiple of `key_bucket` slots, within capacity: a compiled forward's
-        static shape)."""
+        static shape; and of the attention's own bucket, attention.key_bucket)."""
         longest = max(self.lengths)
         if longest + n_new > self.capacity:
             raise RuntimeError(f"KV cache overflow: {longest} + {n_new} tokens > capacity {self.capacity}")
         lengths = to_device(self.lengths, self.device)
         write_pos = lengths[:, None] + torch.arange(n_new, device=self.device)  # [B, N]
+        bucket = math.lcm(key_bucket, attention_bucket(self.kernel, self.device, self.k.dtype))
         if longest == 0 and tree_mask is None:  # a prompt's first chunk: plain causal attention (flash on GPUs), no mask to bucket
-            key_bucket = 1
-        n_keys = min(self.capacity, -(-(longest + n_new) // key_bucket) * key_bucket)
+            bucket = 1
+        n_keys = min(self.capacity, -(-(longest + n_new) // bucket) * bucket)
         return write_pos, Layout(lengths, tree_mask, n_new, n_keys, self.kernel)
 
     def store(self, layer: int, k, v, write_pos) -> None:
