@@ -49,7 +49,7 @@ class Layout:
     prefix: torch.Tensor  # [B] long: verified tokens per row, in slots 0 .. prefix[b] - 1
     tree: torch.Tensor | None  # [B, N, N] bool: new token i sees new token j; None: causal
     n_new: int  # N
-    n_keys: int  # S: key slots attended over: the longest prefix + N, or more (a compiled forward's bucket)
+    n_keys: int  # S: key slots attended over: the longest prefix + N, or more (a bucket: a compiled forward's, key_bucket)
     kernel: str = "sdpa"
     block_mask: object = field(init=False, default=None, repr=False)  # flex: FlexAttention's, shared by every layer
     sdpa_mask: torch.Tensor | None = field(init=False, default=None, repr=False)  # sdpa: dense(), shared by every layer
