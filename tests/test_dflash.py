@@ -16,6 +16,7 @@ from bastion.drafters.base import DraftContext
 from bastion.drafters.checkpoint import save_checkpoint
 from bastion.drafters.dflash import DFlashDrafter, evenly_spaced_layers, load_dflash, new_dflash_config
 from bastion.engine import generate
+from bastion.models.int8_linear import Int8Linear, int8_linear
 from bastion.recorder import FeatureRecorder
 from bastion.sampling import Sampling
 from bastion.train.data import file_prompts
@@ -147,6 +148,31 @@ def test_a_bfloat16_drafter_drafts_for_a_wider_target_losslessly(tiny_llama, tmp
     hidden = torch.randn(2, 3, tiny_llama.args.hidden_size, dtype=torch.bfloat16)
     assert drafter.logits(hidden).shape == (2, 3, tiny_llama.args.vocab_size) and drafter.logits(hidden).dtype == torch.float32
     assert load_dflash(tiny_llama, str(tmp_path)).fc.weight.dtype == tiny_llama.dtype  # no dtype: the target's
+
+
+def test_an_int8_drafter_drafts_losslessly_and_scores_by_its_int8_head(tiny_llama, tmp_path):
+    """drafter.int8: every linear of the drafter and its draft head run on int8 weights; the
+    output is still AR's, and its logits stay within int8 rounding of the float drafter's."""
+    config = new_dflash_config(tiny_llama, 1, 5, [0, 1], 16, draft_vocab_size=300)
+    torch.manual_seed(0)
+    save_checkpoint(DFlashDrafter(config, tiny_llama).eval(), tmp_path)
+    drafter = load_dflash(tiny_llama, str(tmp_path), top_k=4, dtype="float32", int8=True)
+    float_drafter = load_dflash(tiny_llama, str(tmp_path), top_k=4, dtype="float32", int8=False)
+    linears = [m for m in drafter.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(type(m) is Int8Linear for m in linears) and drafter.int8_head and not float_drafter.int8_head
+    hidden = torch.randn(2, 3, tiny_llama.args.hidden_size)
+    with torch.inference_mode():
+        torch.testing.assert_close(drafter.draft_head(hidden), float_drafter.draft_head(hidden), rtol=0.05, atol=0.05)
+    assert drafter._score.func is int8_linear
+    prompts = random_prompts(4, seed=13)
+    expected = ar_outputs(tiny_llama, prompts, 16)
+    for policy in (chain, best_first):
+        d = generate(tiny_llama, prompts, drafter=drafter, policy=policy, budget=FixedBudget(8), max_new_tokens=16)
+        for p, exp, gen in zip(prompts, expected, d.generations):
+            assert_same_tokens(tiny_llama, p, exp, gen.tokens, f"int8 drafter, {policy.__name__}")
+    assert not load_dflash(tiny_llama, str(tmp_path), int8="auto").int8_head  # float64, the target's: no int8 kernel
+    with pytest.raises(ValueError, match="drafter.int8=true needs a drafter on a CPU"):
+        load_dflash(tiny_llama, str(tmp_path), int8=True)
 
 
 def test_auto_drafter_dtype_is_bfloat16_only_where_it_is_fast(monkeypatch):

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
+from bastion.models.int8_linear import int8_linear, quantize_weight
 from bastion.models.packed_linear import PackedLinear, linear, pack_weight
 from bastion.tree.draft_tree import DraftTree
 from bastion.tree.proposal import BlockProposal, TreeProposal
@@ -76,7 +79,8 @@ class DraftVocabulary:
     token ids, or None for the whole vocabulary) and holds `target`."""
 
     _head: torch.Tensor | None = None  # the LM head rows of the draft vocabulary, gathered once
-    _head_packed: torch.Tensor | None = None  # and packed for oneDNN when the target's head is
+    _score: Callable[[torch.Tensor], torch.Tensor] | None = None  # hidden -> logits by them (_head_kernel)
+    int8_head: bool = False  # score drafts by an int8 copy of those rows (models/int8_linear.py; decoding only)
 
     def set_draft_vocab(self, token_ids: torch.Tensor) -> None:
         self.draft_vocab = token_ids.to(self.draft_vocab.device if self.draft_vocab is not None else token_ids.device)
@@ -87,20 +91,28 @@ class DraftVocabulary:
         `dtype` (the target's by default; a drafter in another dtype scores in its own)."""
         weight = self.target.model.lm_head.weight
         dtype = dtype or weight.dtype
-        if self.draft_vocab is None and dtype == weight.dtype:
+        if self.draft_vocab is None and dtype == weight.dtype and not self.int8_head:
             return weight
         if self._head is None or self._head.device != weight.device or self._head.dtype != dtype:
             rows = weight if self.draft_vocab is None else weight[self.draft_vocab]
             self._head = rows.detach().to(dtype, copy=True)
-            self._head_packed = pack_weight(self._head) if isinstance(self.target.model.lm_head, PackedLinear) else None
+            self._score = self._head_kernel()
         return self._head
+
+    def _head_kernel(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """_head as a linear layer: int8 (int8_head), packed for oneDNN where the target's head is, else plain."""
+        if self.int8_head:
+            int8, scales = quantize_weight(self._head)
+            return partial(int8_linear, int8=int8, scales=scales)
+        packed = pack_weight(self._head) if isinstance(self.target.model.lm_head, PackedLinear) else None
+        return partial(linear, weight=self._head, packed=packed)
 
     def draft_head(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., h] -> logits over the draft vocabulary [..., V'] (the whole one without)."""
         weight = self.head_weight(hidden.dtype)
         if weight is self.target.model.lm_head.weight:  # the target's own head, as it is packed
             return self.target.model.lm_head(hidden)
-        return linear(hidden, weight, self._head_packed)
+        return self._score(hidden)
 
     def in_full_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits [..., V'] -> [..., V], -inf outside it (float32 at least)."""

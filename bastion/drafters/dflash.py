@@ -23,6 +23,7 @@ from transformers import AutoConfig
 
 from bastion.drafters.base import DraftContext, Drafter, DraftVocabulary
 from bastion.drafters.checkpoint import read_checkpoint, shaped_like
+from bastion.models.int8_linear import int8_weights, quantize_linears
 from bastion.models.kv_cache import KVCache
 from bastion.models.target import Target, drafter_dtype
 from bastion.models.transfer import to_device
@@ -187,11 +188,16 @@ def evenly_spaced_layers(n_target_layers: int, n: int) -> list[int]:
 
 
 def load_dflash(target: Target, checkpoint: str | None, top_k: int = 8, block_size: int | None = None,
-                dtype: str | None = None) -> DFlashDrafter:
-    """`dtype`: the drafter's (models/target.py drafter_dtype: a name, auto, or None for the target's)."""
+                dtype: str | None = None, int8: bool | str = False) -> DFlashDrafter:
+    """`dtype`: the drafter's (models/target.py drafter_dtype: a name, auto, or None for the target's);
+    `int8`: its linear layers and draft head by int8 weights (models/int8_linear.py int8_weights: true, false or auto)."""
     config, state = read_checkpoint(checkpoint, "dflash", target.name)
     drafter = DFlashDrafter(config, target, top_k=top_k, block_size=block_size)
     missing, unexpected = drafter.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise ValueError(f"{checkpoint} is not a DFlash checkpoint: missing {missing[:3]}, unexpected {unexpected[:3]}.")
-    return drafter.to(device=target.device, dtype=drafter_dtype(dtype, target.device, target.dtype)).eval()
+    drafter = drafter.to(device=target.device, dtype=drafter_dtype(dtype, target.device, target.dtype)).eval()
+    if int8_weights(int8, drafter):
+        drafter.int8_head = True
+        quantize_linears(drafter)
+    return drafter

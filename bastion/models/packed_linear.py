@@ -46,12 +46,18 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias), on `packed` (pack_weight(weight)) when there is one, autograd
-    is off and autocast is not (it casts F.linear's inputs, not the packed kernel's)."""
-    if (packed is None or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
-            or torch.is_autocast_enabled(x.device.type)):
+    """F.linear(x, weight, bias), on `packed` (pack_weight(weight)) when there is one and
+    inference_only."""
+    if packed is None or not inference_only(x, weight):
         return F.linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def inference_only(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Neither autograd (a gradient to x or the weight) nor autocast (it casts F.linear's inputs,
+    not another kernel's) needs the plain F.linear: a kernel of our own may run."""
+    return not ((torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+                or torch.is_autocast_enabled(x.device.type))
 
 
 def can_pack(module: nn.Module) -> bool:
@@ -68,10 +74,16 @@ def prepack_linears(module: nn.Module) -> nn.Module:
     for float32/bfloat16; otherwise nothing changes). Tied weights stay tied. Returns `module`."""
     if not isinstance(module, nn.Module) or not can_pack(module):
         return module  # (a drafter without weights, e.g. ngram, passes through)
+    return swap_linears(module, PackedLinear)
+
+
+def swap_linears(module: nn.Module, kind: type[nn.Linear]) -> nn.Module:
+    """Replace every plain nn.Linear inside `module` by kind(linear) (PackedLinear, Int8Linear:
+    the same parameters, another kernel); tied weights stay tied. Returns `module`."""
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear:
-                setattr(parent, name, PackedLinear(child))
+                setattr(parent, name, kind(child))
     return module
 
 
