@@ -60,6 +60,31 @@ def test_decoding_path_equals_training_path(tiny_qwen3):
         done = a
 
 
+def test_rows_whose_contexts_differ_in_length_draft_as_they_would_alone(tiny_qwen3):
+    """A batch's context arrives right-padded to its longest row; each row's proposal is the
+    training path's for that row, step after step, with the cache sized for the rows' tokens."""
+    drafter = random_drafter(tiny_qwen3)
+    rows = [list(range(300, 320)), list(range(500, 514))]
+    feats = [target_features(tiny_qwen3, tokens, drafter.feature_layers) for tokens in rows]
+    anchors = [[11, 14, 18], [6, 11, 13]]  # each row's verified tokens before each step's root
+    expected = []
+    with torch.no_grad():
+        for f, tokens, a in zip(feats, rows, anchors):
+            hidden = drafter.block_hidden(f, torch.tensor([tokens]), torch.tensor([a]))
+            expected.append(torch.log_softmax(tiny_qwen3.logits(hidden[:, :, 1:]), -1)[0])
+    drafter.reset(2, 20)
+    done = [0, 0]
+    for step in range(3):
+        pieces = [f[0, d:a[step]] for f, d, a in zip(feats, done, anchors)]
+        T = max(len(p) for p in pieces)
+        padded = torch.stack([torch.cat([p, p.new_zeros(T - len(p), p.shape[1])]) for p in pieces])
+        ctx = DraftContext([tokens[: a[step] + 1] for tokens, a in zip(rows, anchors)], padded, [len(p) for p in pieces])
+        proposal = drafter.propose(ctx)
+        for b in range(2):
+            torch.testing.assert_close(torch.log_softmax(proposal.logits[b], -1), expected[b][step], rtol=1e-8, atol=1e-8)
+        done = [a[step] for a in anchors]
+
+
 def test_absorbed_context_counts_like_drafted_context(tiny_qwen3):
     """Steps the budget makes AR steps hand their tokens over through absorb(): the next draft
     equals the training path's, as if every step had drafted."""

@@ -60,7 +60,9 @@ class DFlashDrafter(nn.Module, DraftVocabulary, Drafter):
     def reset(self, batch_size: int, capacity: int) -> None:
         a = self.args
         weight = self.fc.weight
-        self.cache = KVCache(a.n_layers, batch_size, a.n_kv_heads, a.head_dim, capacity + self.block_size, weight.dtype, weight.device)
+        # past the context: the block's slots, and past them a shorter row's padding (propose), at most a block of it
+        slots = capacity + 2 * self.block_size
+        self.cache = KVCache(a.n_layers, batch_size, a.n_kv_heads, a.head_dim, slots, weight.dtype, weight.device)
 
     def keep_rows(self, rows: list[int]) -> None:
         self.cache.keep_rows(rows)
@@ -71,17 +73,26 @@ class DFlashDrafter(nn.Module, DraftVocabulary, Drafter):
 
     @torch.inference_mode()
     def propose(self, ctx: DraftContext) -> BlockProposal:
-        self._append_context(ctx.features, ctx.n_features)
+        """One forward over the newly verified context and the block: each layer projects both
+        into keys and values by one matmul (the context's cached for later steps), and the block
+        asks the queries."""
+        context = self.project(ctx.features.to(self.fc.weight.dtype))  # [B, T, h]
         roots = [seq[-1] for seq in ctx.sequences]
-        B, K = len(roots), self.block_size
-        device = self.fc.weight.device
+        B, T, K = len(roots), context.shape[1], self.block_size
+        device = context.device
+        first = to_device(self.cache.lengths, device)[:, None]  # [B, 1] the context's first slot
+        self.cache.commit([list(range(n)) for n in ctx.n_features])  # the context is verified: its slots fill below
+        block_pos, layout = self.cache.prepare(K, torch.ones(B, K, K, dtype=torch.bool, device=device))  # [B, K] after it
+        t = torch.arange(T, device=device)
+        n = to_device(ctx.n_features, device)[:, None]
+        context_pos = torch.where(t < n, first + t, first + K + t)  # a shorter row's padding lands past its block: scratch
+        write_pos = torch.cat([context_pos, block_pos], dim=1)  # [B, T + K] slots, and positions: a token's slot is its position
         block = torch.full((B, K), self.mask_token_id, device=device)
         block[:, 0] = to_device(roots, device)
-        write_pos, layout = self.cache.prepare(K, torch.ones(B, K, K, dtype=torch.bool, device=device))
         x = self.embed(block)
-        cos, sin = self.rotary(write_pos, x.dtype)  # a block token's position is its cache slot
+        cos, sin = self.rotary(write_pos, x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, layout, partial(self.cache.write, i, write_pos=write_pos, s_view=layout.n_keys))
+            x = layer(x, cos, sin, layout, partial(self.cache.write, i, write_pos=write_pos, s_view=layout.n_keys), context)
         logits = self.draft_head(self.norm(x)[:, 1:])  # [B, K-1, V']: the root needs no draft
         return top_candidates(logits, roots, self.top_k, self.draft_vocab)
 
@@ -131,9 +142,9 @@ class DFlashDrafter(nn.Module, DraftVocabulary, Drafter):
         sees_context = torch.arange(S, device=device)[None, None, :] < anchors.repeat_interleave(K, dim=1)[:, :, None]
         sees_block = (block_id[:, None] == block_id[None, :]).expand(B, M * K, M * K)
         mask = torch.cat([sees_context, sees_block], dim=-1)[:, None]  # [B, 1, MK, S + MK]
+        cos, sin = torch.cat([cos_c, cos_b], dim=1), torch.cat([sin_c, sin_b], dim=1)
         for layer in self.layers:
-            k_ctx, v_ctx = layer.self_attn.keys_values(context, cos_c, sin_c)
-            x = layer(x, cos_b, sin_b, mask, lambda k, v, kc=k_ctx, vc=v_ctx: (torch.cat([kc, k], 2), torch.cat([vc, v], 2)))
+            x = layer(x, cos, sin, mask, context=context)
         return self.norm(x).view(B, M, K, -1)
 
     # ---- checkpoints ------------------------------------------------------------------------

@@ -154,11 +154,16 @@ class Attention(nn.Module):
             k = self.k_norm(k)
         return apply_rotary(k.transpose(1, 2), cos, sin), v
 
-    def forward(self, x, cos, sin, mask: Layout | torch.Tensor, extend_kv=None):
+    def forward(self, x, cos, sin, mask: Layout | torch.Tensor, extend_kv=None, context: torch.Tensor | None = None):
         """mask: a Layout or a dense [B, 1, N, S] bool mask (models/attention.py). `extend_kv(k, v)` returns the keys and
-        values to attend over, the new ones included (a KV cache write, or a drafter's context);
-        without it tokens attend among themselves."""
-        k, v = self.keys_values(x, cos, sin)
+        values to attend over, the new ones included (a KV cache write); without it tokens attend
+        among themselves. `context` [B, T, h]: states that enter the keys and values ahead of x's
+        but ask nothing (a DFlash drafter's context, "KV injection"); cos and sin then cover T + N."""
+        if context is None:
+            k, v = self.keys_values(x, cos, sin)
+        else:
+            k, v = self.keys_values(torch.cat([context, x], dim=1), cos, sin)
+            cos, sin = cos[:, context.shape[1]:], sin[:, context.shape[1]:]
         if extend_kv is not None:
             k, v = extend_kv(k, v)
         return self.o_proj(attend(self.queries(x, cos, sin), k, v, mask))
@@ -183,8 +188,8 @@ class Block(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
-    def forward(self, x, cos, sin, mask, extend_kv=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, extend_kv)
+    def forward(self, x, cos, sin, mask, extend_kv=None, context=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, extend_kv, context)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
