@@ -142,7 +142,7 @@ class DFlashDrafter(nn.Module, DraftVocabulary, Drafter):
         sees_context = torch.arange(S, device=device)[None, None, :] < anchors.repeat_interleave(K, dim=1)[:, :, None]
         sees_block = (block_id[:, None] == block_id[None, :]).expand(B, M * K, M * K)
         mask = torch.cat([sees_context, sees_block], dim=-1)[:, None]  # [B, 1, MK, S + MK]
-        cos, sin = torch.cat([cos_c, cos_b], dim=1), torch.cat([sin_c, sin_b], dim=1)
+        cos, sin = torch.cat([cos_c, cos_b], dim=2), torch.cat([sin_c, sin_b], dim=2)
         for layer in self.layers:
             x = layer(x, cos, sin, mask, context=context)
         return self.norm(x).view(B, M, K, -1)

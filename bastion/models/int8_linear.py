@@ -42,7 +42,8 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def int8_linear(x: torch.Tensor, int8: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., in] @ (int8 * scales[:, None]).T (+ bias) -> [..., out], in x's dtype."""
-    out = torch._weight_int8pack_mm(x.reshape(-1, x.shape[-1]), int8, scales.to(x.dtype)).view(*x.shape[:-1], -1)
+    scales = scales if scales.dtype == x.dtype else scales.to(x.dtype)
+    out = torch._weight_int8pack_mm(x.reshape(-1, x.shape[-1]), int8, scales).view(*x.shape[:-1], -1)
     return out if bias is None else out + bias
 
 

@@ -80,10 +80,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 like the reference implementations, so bf16 runs match them.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        # Normalise in fp32 like the reference implementations, so bf16 runs match them (F.rms_norm:
+        # their x * rsqrt(mean(x^2) + eps) in one call, not five)
+        return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
 
 
 class Rotary(nn.Module):
@@ -107,18 +106,22 @@ class Rotary(nn.Module):
         self.scaling = scaling
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [B, N] -> the tables apply_rotary takes, cos and sin [B, 1, N, D] in `dtype`
+        (a head axis to broadcast over; sin's first half negated, the sign of rotate-half)."""
         if self.inv_freq.device != positions.device:  # moved once, not copied to the device every call
             self.inv_freq = self.inv_freq.to(positions.device)
-        freqs = positions[..., None].float() * self.inv_freq  # [B, N, D/2]
+        freqs = positions[:, None, :, None].float() * self.inv_freq  # [B, 1, N, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)
-        return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
+        cos, sin = (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
+        sin[..., : freqs.shape[-1]].neg_()
+        return cos, sin
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [B, H, N, D]; cos, sin: [B, N, D]."""
-    cos, sin = cos[:, None], sin[:, None]
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+    """x: [B, H, N, D]; cos, sin: [B, 1, N, D] (Rotary). The reference's x * cos + rotate_half(x) * sin,
+    rotate_half(x) = [-x2, x1], as x * cos + [x2, x1] * [-sin1, sin2]: the same products, in half the ops
+    (they are a decode step's most numerous)."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
 
 
 class Attention(nn.Module):
@@ -163,7 +166,7 @@ class Attention(nn.Module):
             k, v = self.keys_values(x, cos, sin)
         else:
             k, v = self.keys_values(torch.cat([context, x], dim=1), cos, sin)
-            cos, sin = cos[:, context.shape[1]:], sin[:, context.shape[1]:]
+            cos, sin = cos[:, :, context.shape[1]:], sin[:, :, context.shape[1]:]
         if extend_kv is not None:
             k, v = extend_kv(k, v)
         return self.o_proj(attend(self.queries(x, cos, sin), k, v, mask))
