@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import copy
 import math
 import random
 from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
+from torch import nn
 
 from bastion.compose import build
 from bastion.drafters.base import DraftContext, Drafter
@@ -75,3 +77,17 @@ def configured(group: str, conf_dir: Path = ROOT / "conf") -> list[str]:
 def build_choice(group: str, name: str, conf_dir: Path = ROOT / "conf", **kwargs):
     """The object a config group's choice builds, as run.py builds it (`kwargs`: its live inputs)."""
     return build(OmegaConf.load(conf_dir / group / f"{name}.yaml"), **kwargs)
+
+
+def assert_trains_like_linear(kind: type[nn.Linear]) -> None:
+    """A linear layer of another kernel (`kind`, wrapping an nn.Linear) runs the plain one when
+    autograd is on: gradients are nn.Linear's exactly."""
+    torch.manual_seed(0)
+    linear = nn.Linear(16, 8)
+    other = kind(copy.deepcopy(linear))
+    x = torch.randn(4, 16, requires_grad=True)
+    linear(x).square().sum().backward()
+    grad_x = x.grad.clone()
+    x.grad = None
+    other(x).square().sum().backward()
+    assert torch.equal(x.grad, grad_x) and torch.equal(other.weight.grad, linear.weight.grad)

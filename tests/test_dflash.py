@@ -154,6 +154,16 @@ def test_lossless_with_a_dflash_drafter(tiny_llama, policy):
             assert_same_tokens(tiny_llama, p, exp, gen.tokens, f"dflash {policy.__name__} {budget}")
 
 
+def assert_drafts_losslessly(target, drafter, seed: int, label: str) -> None:
+    """Chain and best-first decoding with `drafter` give AR's tokens on 4 random prompts."""
+    prompts = random_prompts(4, seed=seed)
+    expected = ar_outputs(target, prompts, 16)
+    for policy in (chain, best_first):
+        d = generate(target, prompts, drafter=drafter, policy=policy, budget=FixedBudget(8), max_new_tokens=16)
+        for p, exp, gen in zip(prompts, expected, d.generations):
+            assert_same_tokens(target, p, exp, gen.tokens, f"{label}, {policy.__name__}")
+
+
 @pytest.mark.parametrize("draft_vocab", [None, 300])
 def test_a_bfloat16_drafter_drafts_for_a_wider_target_losslessly(tiny_llama, tmp_path, draft_vocab):
     """drafter.dtype: a bfloat16 drafter (auto's choice where bfloat16 matmuls are fast) proposes
@@ -163,12 +173,7 @@ def test_a_bfloat16_drafter_drafts_for_a_wider_target_losslessly(tiny_llama, tmp
     save_checkpoint(DFlashDrafter(config, tiny_llama).eval(), tmp_path)
     drafter = load_dflash(tiny_llama, str(tmp_path), top_k=4, dtype="bfloat16")
     assert {p.dtype for p in drafter.parameters()} == {torch.bfloat16} and drafter.cache is None
-    prompts = random_prompts(4, seed=11)
-    expected = ar_outputs(tiny_llama, prompts, 16)
-    for policy in (chain, best_first):
-        d = generate(tiny_llama, prompts, drafter=drafter, policy=policy, budget=FixedBudget(8), max_new_tokens=16)
-        for p, exp, gen in zip(prompts, expected, d.generations):
-            assert_same_tokens(tiny_llama, p, exp, gen.tokens, f"bfloat16 drafter, {policy.__name__}")
+    assert_drafts_losslessly(tiny_llama, drafter, 11, "bfloat16 drafter")
     assert drafter.cache.k.dtype == torch.bfloat16
     hidden = torch.randn(2, 3, tiny_llama.args.hidden_size, dtype=torch.bfloat16)
     assert drafter.logits(hidden).shape == (2, 3, tiny_llama.args.vocab_size) and drafter.logits(hidden).dtype == torch.float32
@@ -189,12 +194,7 @@ def test_an_int8_drafter_drafts_losslessly_and_scores_by_its_int8_head(tiny_llam
     with torch.inference_mode():
         torch.testing.assert_close(drafter.draft_head(hidden), float_drafter.draft_head(hidden), rtol=0.05, atol=0.05)
     assert drafter._score.func is int8_linear
-    prompts = random_prompts(4, seed=13)
-    expected = ar_outputs(tiny_llama, prompts, 16)
-    for policy in (chain, best_first):
-        d = generate(tiny_llama, prompts, drafter=drafter, policy=policy, budget=FixedBudget(8), max_new_tokens=16)
-        for p, exp, gen in zip(prompts, expected, d.generations):
-            assert_same_tokens(tiny_llama, p, exp, gen.tokens, f"int8 drafter, {policy.__name__}")
+    assert_drafts_losslessly(tiny_llama, drafter, 13, "int8 drafter")
     assert not load_dflash(tiny_llama, str(tmp_path), int8="auto").int8_head  # float64, the target's: no int8 kernel
     with pytest.raises(ValueError, match="drafter.int8=true needs a drafter on a CPU"):
         load_dflash(tiny_llama, str(tmp_path), int8=True)

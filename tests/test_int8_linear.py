@@ -3,14 +3,13 @@ weight, close to the float layer's, float gradients when training, and the one-l
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from bastion.models.int8_linear import Int8Linear, int8_weights, quantize_linears, quantize_weight
+from tests.helpers import assert_trains_like_linear
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -42,16 +41,7 @@ def test_quantize_weight_keeps_each_rows_largest_weight_exact():
 
 
 def test_int8_linear_trains_like_linear():
-    """With autograd on it runs the float weight: gradients are nn.Linear's exactly."""
-    torch.manual_seed(0)
-    linear = nn.Linear(16, 8)
-    int8 = Int8Linear(copy.deepcopy(linear))
-    x = torch.randn(4, 16, requires_grad=True)
-    linear(x).square().sum().backward()
-    grad_x = x.grad.clone()
-    x.grad = None
-    int8(x).square().sum().backward()
-    assert torch.equal(x.grad, grad_x) and torch.equal(int8.weight.grad, linear.weight.grad)
+    assert_trains_like_linear(Int8Linear)
 
 
 def test_quantize_linears_swaps_every_linear_and_keeps_the_state_dict():

@@ -15,7 +15,7 @@ from bastion.models.packed_linear import PackedLinear, linear_kernels, prepack_l
 from bastion.models.target import load_target
 from bastion.tree.best_first import best_first
 from tests.conftest import target_config
-from tests.helpers import OracleDrafter, ar_outputs, assert_same_tokens
+from tests.helpers import OracleDrafter, ar_outputs, assert_same_tokens, assert_trains_like_linear
 from tests.test_lossless import random_prompts
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
@@ -34,16 +34,7 @@ def test_packed_linear_equals_linear(bias, rows):
 
 
 def test_packed_linear_trains_like_linear():
-    """With autograd on it runs the plain kernel: gradients are nn.Linear's exactly."""
-    torch.manual_seed(0)
-    linear = nn.Linear(16, 8)
-    packed = PackedLinear(copy.deepcopy(linear))
-    x = torch.randn(4, 16, requires_grad=True)
-    linear(x).square().sum().backward()
-    grad_x = x.grad.clone()
-    x.grad = None
-    packed(x).square().sum().backward()
-    assert torch.equal(x.grad, grad_x) and torch.equal(packed.weight.grad, linear.weight.grad)
+    assert_trains_like_linear(PackedLinear)
 
 
 def test_deepcopy_of_a_packed_model_is_plain_and_independent():
