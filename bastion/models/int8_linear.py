@@ -65,6 +65,6 @@ def int8_weights(choice: bool | str, module: nn.Module) -> bool:
 
 
 def quantize_linears(module: nn.Module) -> nn.Module:
-    """Swap every nn.Linear inside `module` for an Int8Linear sharing its parameters (where
-    int8_weights says the kernel runs). Returns `module`."""
+    """Swap every nn.Linear inside `module` for an Int8Linear sharing its parameters (ask
+    int8_weights first: the kernel runs on CPUs only). Returns `module`."""
     return swap_linears(module, Int8Linear)
