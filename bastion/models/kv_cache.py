@@ -27,6 +27,7 @@ class KVCache:
         self.lengths = [0] * batch  # verified tokens per row
         self.capacity = capacity
         self.kernel = kernel  # the attention kernel its layouts ask for (models/attention.py)
+        self.attention_bucket = attention_bucket(kernel, device, dtype)  # that kernel's own key bucket, fixed for the cache's life
 
     @property
     def device(self) -> torch.device:
@@ -43,7 +44,7 @@ class KVCache:
             raise RuntimeError(f"KV cache overflow: {longest} + {n_new} tokens > capacity {self.capacity}")
         lengths = to_device(self.lengths, self.device)
         write_pos = lengths[:, None] + torch.arange(n_new, device=self.device)  # [B, N]
-        bucket = math.lcm(key_bucket, attention_bucket(self.kernel, self.device, self.k.dtype))
+        bucket = math.lcm(key_bucket, self.attention_bucket)
         if longest == 0 and tree_mask is None:  # a prompt's first chunk: plain causal attention (flash on GPUs), no mask to bucket
             bucket = 1
         n_keys = min(self.capacity, -(-(longest + n_new) // bucket) * bucket)
