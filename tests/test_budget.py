@@ -245,19 +245,20 @@ def test_wrong_profile_corrects_itself_online():
 def test_verify_prices_follow_the_machines_pace_within_a_few_steps(refit_every):
     """The machine slows by 30% in the middle of a decode (another process took part of it):
     within a few drafted steps every verify price runs at the new pace, not only from the next
-    refit on, as the step's other costs do (without the pace: 30% low until then)."""
+    refit on, as the step's other costs do (without the pace: 30% low until then), and refits
+    do not leave it off."""
     truth = synthetic_truth(TRUE_CPU)
     budget = controller(TRUE_CPU)
     budget.refit_every = refit_every
     budget.recent.drafted.append((0.001, 0.0, 2.0, 0.02))
     errors = []  # log(measured / forecast) verify time, step by step
-    for step in range(15):  # a refit every 16 steps comes after the last
+    for step in range(40):
         sized = budget.size([chain(15, 0.9)], [300])[0]
         seconds = (1.3 if step >= 4 else 1.0) * float(truth.predict(np.array([sized.n_nodes + 1]), np.array([300])))
         errors.append(math.log(seconds / budget.predicted_s))
         budget.observe(measured(seconds, 1.0, sized.expected_accepted(), nodes=sized.n_nodes), [300], sized.n_nodes + 1)
     assert max(abs(e) for e in errors[:4]) < 0.01 and errors[4] == pytest.approx(math.log(1.3), abs=0.01)
-    assert max(abs(e) for e in errors[9:]) < 0.05, np.round(errors, 3)
+    assert np.mean(np.abs(errors[9:])) < 0.03 and max(abs(e) for e in errors[-8:]) < 0.02, np.round(errors, 3)
     assert budget.predict(6, [300]) == pytest.approx(1.3 * float(truth.predict(np.array([6]), np.array([300]))), rel=0.05)
 
 

@@ -24,14 +24,14 @@ tokens per second this decode's recent drafted steps actually produced, against 
 Forecasts pick the size; a forecast that drafting does not pay stops it only until realised
 throughput says otherwise, and realised throughput below AR's stops it whatever the forecast.
 
-The model is refitted every `refit_every` steps, over a long memory, while drafting and host
-costs are medians of the last few steps: when the machine's pace drifts, verify prices lagged
+The model is refitted every `refit_every` steps over a long memory, while drafting and host
+costs are medians of the last few steps: when the machine's pace drifted, verify prices lagged
 the rest of the step, so larger trees looked cheaper than they were, and the steps that chose
-them were the ones whose prices had fallen furthest behind (every size's forecast ran low in
-that way, the largest sizes most). So every verify price also carries the pace: a running mean
-of the log ratio of each drafted step's measured verify time to its forecast, which follows the
-machine within a few steps, as the step's other costs do. A refit takes over the part of it
-that the refitted model now explains, at the shape last measured (experiments/NOTES.md).
+them were those whose prices had fallen furthest behind (forecasts ran low on average, the
+largest sizes' most). So the model's pace (latency.py) follows each drafted step's measured
+verify time against its forecast, by a running mean that keeps up within a few steps as the
+step's other costs do; while the model itself is wrong (exploring, below) the pace waits, or
+the two would learn one error (experiments/NOTES.md).
 
 A model that is wrong (a wrong hardware profile, another process on the machine) only ever
 sees the sizes it chooses, which cannot tell compute from memory costs apart. So while its
@@ -76,8 +76,7 @@ class BastionBudget(Budget):
         ranks = np.arange(1, max_nodes + 1)  # the ranks near each: ceil(rank / sqrt 2) .. floor(rank * sqrt 2)
         self._near = np.ceil(ranks / math.sqrt(2)).astype(np.int64) - 1, np.minimum(ranks * math.sqrt(2), max_nodes).astype(np.int64)
         self.exploring = False  # while forecasts are biased
-        self.bias = 0.0  # running mean of log(measured / forecast) verify time, the curve's own forecast
-        self.pace = 0.0  # running mean of log(measured / forecast) verify time, every price's forecast: its factor
+        self.bias = 0.0  # running mean of log(measured / forecast) verify time
         self._explored = 0  # explorations so far: the factors cycle across episodes
         self._sized: list[DraftTree] = []  # the trees the last drafted step verified
         self._seen = 0
@@ -125,10 +124,6 @@ class BastionBudget(Budget):
         self._sized = [tree.truncate(int(n)) for tree, n in zip(trees, counts[best])]
         return self._sized
 
-    def predict(self, tokens, contexts: list[int]) -> np.ndarray:
-        """The latency model's forecast (Budget.predict) at the machine's recent pace."""
-        return super().predict(tokens, contexts) * math.exp(self.pace)
-
     def max_depth(self) -> int:
         """One deeper than the deepest tree it chose last: the next step's choice is much like
         the last, and may still grow by a level each step (the first step: max_nodes)."""
@@ -144,7 +139,7 @@ class BastionBudget(Budget):
         grows = np.concatenate([[True], widest[1:] > widest[:-1]])  # np.unique without its sort
         widths, at = widest[grows], np.cumsum(grows) - 1
         ctx = np.asarray(contexts)[None, :].repeat(len(widths), 0)
-        verify = self.latency.predict(1 + widths[:, None].repeat(len(trees), axis=1), ctx)[at] * math.exp(self.pace)  # once per width
+        verify = self.latency.predict(1 + widths[:, None].repeat(len(trees), axis=1), ctx)[at]  # priced once per width
         draft_s, other_s = self.draft_s(contexts), self.recent.other_s
         cost = (draft_s + verify + other_s) / (verify[0] + other_s)  # n = 0 is an AR step
         speedup = (1 + gained / len(trees)) / cost
@@ -173,14 +168,11 @@ class BastionBudget(Budget):
         error = self.latency.observe_forward([width] * len(contexts), contexts, step.verify_s)
         self._seen += 1
         self.bias += self.FOLLOW * (error - self.bias)
-        if self.predicted_s:  # this step's forecast, the pace in it
-            self.pace += self.FOLLOW * math.log(step.verify_s / self.predicted_s)
         self.exploring = abs(self.bias) > math.log(1 + self.tolerance)
+        if self.predicted_s and not self.exploring:  # predicted_s: this step's forecast, today's pace in it
+            self.latency.pace += self.FOLLOW * math.log(step.verify_s / self.predicted_s)
         if self.exploring or self._seen % self.refit_every == 0:
-            shape = np.full(len(contexts), width), np.asarray(contexts)
-            before = float(self.latency.predict(*shape))
             self.latency.fit(fit_shape=self.latency.distinct_sizes() >= 4)
-            self.pace -= math.log(float(self.latency.predict(*shape)) / before)  # what the refit now explains leaves the pace
 
 
 def merge_best_first(trees: list[DraftTree], ratios: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:

@@ -11,6 +11,14 @@ kernels and attention backend; a probe a busy machine disturbed is refused, not 
 measured step times keep refitting t0, a and b online (and p once several sizes are measured),
 so a wrong profile corrects itself within a few steps.
 
+Within a run the pace drifts too, faster than refits over a long memory follow. So the model
+also carries the machine's pace now (`pace`, which the budget follows step by step from its
+forecasts' errors), and each measured time is kept with the pace of its moment: fits and
+corrections take every time back to the mean pace of the times they use (`model_pace`), and a
+forecast is the model's times brought from that pace to today's. Kept as measured, a refit moved
+the curve part of the way to today's pace while a size last measured in a faster minute kept
+that minute's correction against it, and so looked cheap (experiments/NOTES.md).
+
 Matmul kernels do not cost what a smooth curve says: they work in tiles, so a forward of 6, 7
 or 8 tokens can cost the same and 9 a step more (CPU and GPU alike). A controller reading a
 smooth curve picks sizes on the low side of such a step, paying for tokens it does not verify.
@@ -87,14 +95,17 @@ class LatencyModel:
     bandwidth: float
     theta: np.ndarray = field(default=None)  # log t0, log a, log b, log(p - 1 + 1e-3)
     prior: np.ndarray = field(default=None)  # what fits are pulled towards: the profile's, or the probe's fit
-    points: list[tuple[float, float, float]] = field(default_factory=list)  # (flops, bytes, seconds) measured in this run
+    points: list[tuple[float, float, float, float]] = field(default_factory=list)  # (flops, bytes, seconds, pace) measured
+    # in this run, each with the pace of its moment
     max_points: int = 256
-    by_size: dict[int, list[tuple[float, float, float, int]]] = field(default_factory=dict)  # tokens forwarded -> its last
-    # points, each with its forward's number in the run
+    by_size: dict[int, list[tuple[float, float, float, float, int]]] = field(default_factory=dict)  # tokens forwarded -> its
+    # last points, each with its forward's number in the run
     forwards: int = 0  # forwards measured in this run
     probed: dict[int, tuple[float, float, float]] = field(default_factory=dict)  # tokens forwarded -> the probe's point
     level: float = 0.0  # log(the probe's times / this run's) for the same forward: the pace's drift since the probe
     correction: np.ndarray = field(default_factory=lambda: np.zeros(0))  # [0 .. largest measured size] log(measured / curve)
+    pace: float = 0.0  # log of the machine's pace now, against the run's first forwards (the budget follows it)
+    model_pace: float = 0.0  # the mean pace of the points the last fit used: the pace the curve and corrections describe
 
     def __post_init__(self):
         if self.prior is None and self.theta is not None:
@@ -108,11 +119,11 @@ class LatencyModel:
         return cls(cost, hw.flops_per_s(dtype), hw.bytes_per_s, prior)
 
     def predict(self, new_tokens: np.ndarray, contexts: np.ndarray, corrected: bool = True) -> np.ndarray:
-        """Seconds of forwards of new_tokens [..., rows] after contexts [..., rows]: the curve,
-        corrected by size (total tokens; `correct`) unless `corrected` is false."""
+        """Seconds of forwards of new_tokens [..., rows] after contexts [..., rows] at today's pace:
+        the curve, corrected by size (total tokens; `correct`) unless `corrected` is false."""
         new_tokens = np.asarray(new_tokens)
         flops, moved = self.cost.flops_bytes(new_tokens, np.asarray(contexts))
-        seconds = self._predict(self.theta, flops, moved)
+        seconds = self._predict(self.theta, flops, moved) * math.exp(self.pace - self.model_pace)
         if not (corrected and len(self.correction)):
             return seconds
         return seconds * np.exp(self.correction[np.minimum(new_tokens.sum(-1), len(self.correction) - 1)])
@@ -131,7 +142,9 @@ class LatencyModel:
         probed = list(self.probed.values())
         if not (self.points or probed):
             return
-        flops, moved, seconds = map(np.asarray, zip(*probed, *self.points))
+        if self.points:
+            self.model_pace = float(np.mean([point[3] for point in self.points]))
+        flops, moved, seconds = map(np.asarray, zip(*probed, *map(self.at_model_pace, self.points)))
         is_probe = np.arange(len(seconds)) < len(probed)
         free = [0, 1, 2, 3] if fit_shape else [0, 1, 2]
         base = np.append(self.prior, 0.0)  # theta's prior, and the level's: no drift
@@ -164,7 +177,7 @@ class LatencyModel:
         residuals = {}  # size -> [points] log(measured / curve)
         for size in {*self.by_size, *self.probed}:
             probed = [(*self.probed[size], self.level)] if size in self.probed else []
-            kept = probed + [(*point[:3], 0.0) for point in self.by_size.get(size, []) if point[3] > self.forwards - RECENT]
+            kept = probed + [(*self.at_model_pace(point), 0.0) for point in self.by_size.get(size, []) if point[4] > self.forwards - RECENT]
             if not kept:
                 continue
             flops, moved, seconds, level = map(np.asarray, zip(*kept[-SIZE_POINTS:]))
@@ -175,23 +188,26 @@ class LatencyModel:
 
     def distinct_sizes(self) -> int:
         """Distinct forward costs among the points: enough of them make the curve's shape (p) identifiable."""
-        return len({round(math.log(f), 1) for f, _, _ in [*self.probed.values(), *self.points]})
+        return len({round(math.log(point[0]), 1) for point in [*self.probed.values(), *self.points]})
 
-    def observe(self, flops: float, moved: float, seconds: float) -> None:
-        self.points.append((flops, moved, seconds))
-        del self.points[: -self.max_points]
+    def at_model_pace(self, point: tuple) -> tuple[float, float, float]:
+        """A measured point (flops, bytes, seconds, pace, ...) as (flops, bytes, seconds) at the model's pace."""
+        flops, moved, seconds, pace = point[:4]
+        return flops, moved, seconds * math.exp(self.model_pace - pace)
 
     def observe_forward(self, new_tokens: list[int], contexts: list[int], seconds: float) -> float:
-        """Keep a measured forward of new_tokens [rows] after contexts [rows]; returns its log
-        ratio to the curve, uncorrected (the curve's own error at it)."""
+        """Keep a measured forward of new_tokens [rows] after contexts [rows], at today's pace;
+        returns its log ratio to the curve, uncorrected and at the model's pace (the curve's own
+        error at it, whatever the pace has done since: what a wrong profile shows)."""
         flops, moved = self.cost.flops_bytes(np.asarray(new_tokens), np.asarray(contexts))
-        flops, moved = float(flops), float(moved)
-        self.observe(flops, moved, seconds)
+        point = (float(flops), float(moved), seconds, self.pace)
+        self.points.append(point)
+        del self.points[: -self.max_points]
         self.forwards += 1
         kept = self.by_size.setdefault(int(sum(new_tokens)), [])
-        kept.append((flops, moved, seconds, self.forwards))
+        kept.append((*point, self.forwards))
         del kept[:-SIZE_POINTS]
-        return math.log(seconds / float(self._predict(self.theta, flops, moved)))
+        return math.log(seconds / float(self._predict(self.theta, *point[:2])))
 
 
 def shrunk(residuals: list[np.ndarray]) -> np.ndarray:
