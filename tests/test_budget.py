@@ -242,14 +242,15 @@ def test_wrong_profile_corrects_itself_online():
 
 
 @pytest.mark.parametrize("refit_every", [1000, 16])
-def test_verify_prices_follow_the_machines_pace_within_a_few_steps(refit_every):
+@pytest.mark.parametrize("follow_pace", [True, False])
+def test_verify_prices_follow_the_machines_pace_within_a_few_steps(refit_every, follow_pace):
     """The machine slows by 30% in the middle of a decode (another process took part of it):
     within a few drafted steps every verify price runs at the new pace, not only from the next
     refit on, as the step's other costs do (without the pace: 30% low until then), and refits
     do not leave it off."""
     truth = synthetic_truth(TRUE_CPU)
     budget = controller(TRUE_CPU)
-    budget.refit_every = refit_every
+    budget.refit_every, budget.follow_pace = refit_every, follow_pace
     budget.recent.drafted.append((0.001, 0.0, 2.0, 0.02))
     errors = []  # log(measured / forecast) verify time, step by step
     for step in range(40):
@@ -258,6 +259,9 @@ def test_verify_prices_follow_the_machines_pace_within_a_few_steps(refit_every):
         errors.append(math.log(seconds / budget.predicted_s))
         budget.observe(measured(seconds, 1.0, sized.expected_accepted(), nodes=sized.n_nodes), [300], sized.n_nodes + 1)
     assert max(abs(e) for e in errors[:4]) < 0.01 and errors[4] == pytest.approx(math.log(1.3), abs=0.01)
+    if not follow_pace:  # budget.follow_pace=false, the ablation: 30% low until a refit
+        assert min(errors[4:15]) > 0.25
+        return
     assert np.mean(np.abs(errors[9:])) < 0.03 and max(abs(e) for e in errors[-8:]) < 0.02, np.round(errors, 3)
     assert budget.predict(6, [300]) == pytest.approx(1.3 * float(truth.predict(np.array([6]), np.array([300]))), rel=0.05)
 

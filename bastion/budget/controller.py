@@ -63,14 +63,14 @@ class BastionBudget(Budget):
 
     def __init__(self, max_nodes: int = 256, probe: bool = True, refit_every: int = 16, smoothing: float = 0.2,
                  tolerance: float = 0.5, scale_acceptance: bool = True, per_rank: bool = True, pause_drafting: bool = True,
-                 window: int = 8, mode: str = "flex"):
+                 window: int = 8, mode: str = "flex", follow_pace: bool = True):
         if max_nodes < 1:
             raise ValueError(f"budget.max_nodes must be at least 1 (got {max_nodes}).")
         if refit_every < 1:
             raise ValueError(f"budget.refit_every must be at least 1 (got {refit_every}).")
         super().__init__(mode, pause_drafting, window)
         self.max_nodes, self.probe, self.refit_every, self.smoothing = max_nodes, probe, refit_every, smoothing
-        self.tolerance, self.scale_acceptance, self.per_rank = tolerance, scale_acceptance, per_rank
+        self.tolerance, self.scale_acceptance, self.per_rank, self.follow_pace = tolerance, scale_acceptance, per_rank, follow_pace
         self.accepted, self.believed = 2.0, 2.0  # decayed sums of accepted tokens and A_hat (a prior of ratio 1)
         self.hits, self.belief = np.zeros(max_nodes), np.zeros(max_nodes)  # the same per rank 1.., where paths are known
         ranks = np.arange(1, max_nodes + 1)  # the ranks near each: ceil(rank / sqrt 2) .. floor(rank * sqrt 2)
@@ -169,7 +169,7 @@ class BastionBudget(Budget):
         self._seen += 1
         self.bias += self.FOLLOW * (error - self.bias)
         self.exploring = abs(self.bias) > math.log(1 + self.tolerance)
-        if self.predicted_s and not self.exploring:  # predicted_s: this step's forecast, today's pace in it
+        if self.follow_pace and self.predicted_s and not self.exploring:  # predicted_s: this step's forecast, today's pace in it
             self.latency.pace += self.FOLLOW * math.log(step.verify_s / self.predicted_s)
         if self.exploring or self._seen % self.refit_every == 0:
             self.latency.fit(fit_shape=self.latency.distinct_sizes() >= 4)
