@@ -170,7 +170,7 @@ class BastionBudget(Budget):
         self.bias += self.FOLLOW * (error - self.bias)
         self.exploring = abs(self.bias) > math.log(1 + self.tolerance)
         if self.follow_pace and self.predicted_s and not self.exploring:  # predicted_s: this step's forecast, today's pace in it
-            self.latency.pace += self.FOLLOW * math.log(step.verify_s / self.predicted_s)
+            self.latency.follow(step.verify_s, self.predicted_s, self.FOLLOW)
         if self.exploring or self._seen % self.refit_every == 0:
             self.latency.fit(fit_shape=self.latency.distinct_sizes() >= 4)
 

@@ -190,6 +190,11 @@ class LatencyModel:
         """Distinct forward costs among the points: enough of them make the curve's shape (p) identifiable."""
         return len({round(math.log(point[0]), 1) for point in [*self.probed.values(), *self.points]})
 
+    def follow(self, seconds: float, forecast: float, weight: float) -> None:
+        """Move the pace a `weight` of the way towards a measured forward's `seconds` over its
+        `forecast` (made at today's pace): a running mean of the forecasts' log errors."""
+        self.pace += weight * math.log(seconds / forecast)
+
     def at_model_pace(self, point: tuple) -> tuple[float, float, float]:
         """A measured point (flops, bytes, seconds, pace, ...) as (flops, bytes, seconds) at the model's pace."""
         flops, moved, seconds, pace = point[:4]
