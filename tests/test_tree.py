@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from bastion.tree.best_first import best_first, ranked
+from bastion.tree.best_first import best_first, cost, cost_keys, sorted_keys
 from bastion.tree.chain import chain
 from bastion.tree.draft_tree import DraftTree, ancestor_masks, pack
 from bastion.verify import verify_greedy
@@ -93,12 +93,14 @@ def test_trees_of_a_known_depth_pack_and_verify_in_fewer_rounds():
     assert not torch.equal(ancestor_masks(parents, 7), mask)
 
 
-def test_ranked_is_a_stable_descending_sort():
+def test_sorted_keys_are_a_stable_descending_sort_of_log_probabilities():
     """Exactly a stable sort's first n of log-probabilities: ties (0.0 and -0.0 among them) to the lower column, -inf last."""
     scores = -np.abs(np.random.default_rng(0).normal(size=(4, 300)).round(1).astype(np.float32))  # many ties
     scores[:, ::7], scores[:, 1::11], scores[:, 2::13] = 0.0, -0.0, -math.inf
     for n in (1, 100, 300):
-        assert np.array_equal(ranked(scores, n), np.argsort(-scores, axis=1, kind="stable")[:, :n])
+        keys = sorted_keys(cost_keys(cost(scores)), n)
+        assert np.array_equal(keys.view(np.int32)[:, ::2], np.argsort(-scores, axis=1, kind="stable")[:, :n])
+        assert np.array_equal(keys.view(np.float32)[:, 1::2], np.sort(-scores, axis=1, kind="stable")[:, :n])
 
 
 def test_tree_rejects_children_before_parents():
@@ -127,6 +129,9 @@ def test_best_first_refuses_a_child_that_scores_above_its_parent():
     above_zero = TreeProposal([5], tokens, siblings, torch.tensor([[0.0, 0.5, 0.2]]), torch.zeros(1, 3, dtype=torch.long), np.array([0, 1, 1]))
     with pytest.raises(ValueError, match="log-probability above 0"):
         best_first(above_zero, 2)
+    block = BlockProposal([5], torch.tensor([[[6, 7], [8, 9]]]), torch.tensor([[[-0.1, -2.0], [0.3, -1.0]]]))
+    with pytest.raises(ValueError, match="log-probability above 0"):
+        best_first(block, 4)
 
 
 def proposal(probs: list[list[float]]) -> BlockProposal:
