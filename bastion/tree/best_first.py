@@ -99,9 +99,10 @@ def best_nodes(costs: np.ndarray, parents: np.ndarray, tokens: np.ndarray, max_n
         if costs.min() < 0 or not (((below >= 0) & (below < np.arange(1, below.shape[1] + 1))) | ~np.isfinite(logq[:, 1:])).all():
             raise ValueError(NOT_A_TREE)
     tokens, sizes = tokens[rows, order], np.isfinite(logq).sum(1).tolist()  # candidates of -inf log-probability are no candidates (they sort last)
-    node_depths = depths[order]  # [B, 1 + N]
-    return [DraftTree(tokens[b, :n], node_parents[b, :n], logq[b, :n], checked=False, known_depths=node_depths[b, :n])
-            for b, n in enumerate(sizes)]
+    node_depths, mass = depths[order], np.zeros(logq.shape)  # [B, 1 + N] each
+    np.cumsum(np.exp(logq[:, 1:]), axis=1, out=mass[:, 1:])  # A_hat of every prefix of every row
+    return [DraftTree(tokens[b, :n], node_parents[b, :n], logq[b, :n], checked=False, known_depths=node_depths[b, :n],
+                      known_mass=mass[b, :n]) for b, n in enumerate(sizes)]
 
 
 def cost(logq: np.ndarray) -> np.ndarray:

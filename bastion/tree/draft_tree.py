@@ -28,14 +28,18 @@ class DraftTree:
     logq: np.ndarray  # [1+N] float64; draft log-probability of the path root -> i (root: 0)
     checked: InitVar[bool] = True  # False: the caller built it from arrays, parents first (a policy's picks, a prefix), so the O(N) check is skipped
     known_depths: InitVar[np.ndarray | None] = None  # [1+N] the nodes' depths, where the builder knows them (else `depths` walks the parents)
+    known_mass: InitVar[np.ndarray | None] = None  # [1+N] the running sums of the draft nodes' path probabilities (0 at the
+    # root), where the builder has them: best-first makes a batch's in one op, and A_hat of any prefix is then one read
 
     @staticmethod
     def root_only(token: int) -> DraftTree:
         return DraftTree(np.array([token]), ROOT_PARENTS, ROOT_LOGQ, checked=False, known_depths=ROOT_DEPTHS)
 
-    def __post_init__(self, checked: bool, known_depths: np.ndarray | None):
+    def __post_init__(self, checked: bool, known_depths: np.ndarray | None, known_mass: np.ndarray | None):
         if known_depths is not None:
             self.__dict__["depths"] = np.asarray(known_depths, np.int64)  # the cached property's value, given
+        if known_mass is not None:
+            self.__dict__["mass"] = known_mass
         if not checked:
             return
         for name, dtype in (("tokens", np.int64), ("parents", np.int64), ("logq", np.float64)):
@@ -73,14 +77,16 @@ class DraftTree:
     def expected_accepted(self) -> float:
         """A_hat: the sum of the nodes' path probabilities, BASTION's surrogate for the number of
         draft tokens a verification accepts."""
-        return float(np.exp(self.logq[1:]).sum())
+        mass = self.__dict__.get("mass")
+        return float(np.exp(self.logq[1:]).sum() if mass is None else mass[-1])
 
     def truncate(self, n_nodes: int) -> DraftTree:
         if n_nodes >= self.n_nodes:
             return self
         k = n_nodes + 1
-        known = self.__dict__.get("depths")
-        return DraftTree(self.tokens[:k], self.parents[:k], self.logq[:k], checked=False, known_depths=None if known is None else known[:k])
+        depths, mass = self.__dict__.get("depths"), self.__dict__.get("mass")
+        return DraftTree(self.tokens[:k], self.parents[:k], self.logq[:k], checked=False,
+                         known_depths=None if depths is None else depths[:k], known_mass=None if mass is None else mass[:k])
 
     def path(self, node: int) -> list[int]:
         """Indices from the root to `node`, both included."""
