@@ -173,8 +173,9 @@ def test_best_first_is_optimal_for_every_size(seed, K, k):
         tree = best_first(proposal(probs), n)[0]
         assert tree.n_nodes == n
         assert tree.expected_accepted() == pytest.approx(best, rel=1e-6)  # scores are float32
-        # the size-n tree is the first n nodes of any larger one: controllers may truncate
+        # the size-n tree is the first n nodes of any larger one: controllers may truncate, and price it by its A_hat
         assert full.truncate(n).tokens.tolist() == tree.tokens.tolist() and full.truncate(n).parents.tolist() == tree.parents.tolist()
+        assert full.truncate(n).expected_accepted() == pytest.approx(best, rel=1e-6)
 
 
 def heap_best_first(logprobs: list[list[float]], n: int) -> list[tuple[int, ...]]:
