@@ -28,8 +28,8 @@ class DraftTree:
     logq: np.ndarray  # [1+N] float64; draft log-probability of the path root -> i (root: 0)
     checked: InitVar[bool] = True  # False: the caller built it from arrays, parents first (a policy's picks, a prefix), so the O(N) check is skipped
     known_depths: InitVar[np.ndarray | None] = None  # [1+N] the nodes' depths, where the builder knows them (else `depths` walks the parents)
-    known_mass: InitVar[np.ndarray | None] = None  # [1+N] the running sums of the draft nodes' path probabilities (0 at the
-    # root), where the builder has them: best-first makes a batch's in one op, and A_hat of any prefix is then one read
+    known_mass: InitVar[np.ndarray | None] = None  # [1+N] `mass`, where the builder has it (best-first makes a batch's in one
+    # op; else `mass` sums the path probabilities): A_hat of the tree and of any prefix is then one read
 
     @staticmethod
     def root_only(token: int) -> DraftTree:
@@ -39,7 +39,7 @@ class DraftTree:
         if known_depths is not None:
             self.__dict__["depths"] = np.asarray(known_depths, np.int64)  # the cached property's value, given
         if known_mass is not None:
-            self.__dict__["mass"] = known_mass
+            self.__dict__["mass"] = known_mass  # the cached property's value, given
         if not checked:
             return
         for name, dtype in (("tokens", np.int64), ("parents", np.int64), ("logq", np.float64)):
@@ -74,11 +74,15 @@ class DraftTree:
             kids[p].append(i)
         return tuple(tuple(k) for k in kids)
 
+    @cached_property
+    def mass(self) -> np.ndarray:
+        """[1+N] float64: the running sums of the draft nodes' path probabilities (0 at the root)."""
+        return np.concatenate([[0.0], np.cumsum(np.exp(self.logq[1:]))])
+
     def expected_accepted(self) -> float:
         """A_hat: the sum of the nodes' path probabilities, BASTION's surrogate for the number of
         draft tokens a verification accepts."""
-        mass = self.__dict__.get("mass")
-        return float(np.exp(self.logq[1:]).sum() if mass is None else mass[-1])
+        return float(self.mass[-1])
 
     def truncate(self, n_nodes: int) -> DraftTree:
         if n_nodes >= self.n_nodes:
