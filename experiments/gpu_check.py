@@ -28,7 +28,9 @@ recorded in the JSON even when another fails (its traceback in place of its figu
 - host_step: the host's share of a decode step (experiments/host_step.py) on the big target;
 - compiled_forward: decode.compile's forward, seconds to compile a shape and its time per forward;
 - graphed_forward: the forward captured once as a CUDA graph and replayed, by kernel, next to the
-  same forward eager: what removing the host's launches is worth, and whether the forward captures.
+  same forward eager: what removing the host's launches is worth, and whether the forward captures;
+- graphed_decode: decode.compile in the engine (CUDA graphs replayed by torch.compile over the KV
+  cache), AR and best-first decoding against eager AR: tokens, step times, graphs skipped.
 
 The JSON is rewritten after every section, so a run cut short keeps what it measured.
 """
@@ -113,6 +115,9 @@ class Scale:
     host_batches: tuple[int, ...]
     host_nodes: tuple[int, ...]
     host_tokens: int
+    graphed_prompts: int  # prompts decoded one at a time by graphed_decode
+    graphed_tokens: int
+    graphed_nodes: int
 
 
 PAPER = Scale(
@@ -126,6 +131,7 @@ PAPER = Scale(
     lossless_batch=4, prompt_tokens=(96, 160), lossless_tokens=128, fixed_nodes=64,
     memory_batch=16, memory_context=1024, memory_tokens=32, memory_nodes=256,
     host_batches=(1, 16), host_nodes=(16, 256), host_tokens=24,
+    graphed_prompts=2, graphed_tokens=64, graphed_nodes=15,
 )
 SMOKE = Scale(
     target="tiny_qwen3", dtype=torch.float32, device="cpu",
@@ -138,6 +144,7 @@ SMOKE = Scale(
     lossless_batch=2, prompt_tokens=(8, 24), lossless_tokens=16, fixed_nodes=8,
     memory_batch=2, memory_context=32, memory_tokens=8, memory_nodes=16,
     host_batches=(1, 2), host_nodes=(4, 16), host_tokens=8,
+    graphed_prompts=1, graphed_tokens=8, graphed_nodes=3,
 )
 
 
@@ -560,10 +567,52 @@ def section_host_step(run: Run) -> dict:
     return {"new_tokens": s.host_tokens, "cells": cells}
 
 
+def section_graphed_decode(run: Run) -> dict:
+    """decode.compile as the engine runs it (models/target.py Compiled: on CUDA, torch.compile's
+    CUDA graphs replayed over the KV buffers every cache views), AR and best-first with a fixed
+    budget (the random drafter), one prompt at a time, against eager AR: each one's tokens
+    (compiled kernels round unlike eager ones: `lossless_ties`), its median step after the steps
+    that compiled or recorded, and what inductor counted: graphs recorded and graphs skipped
+    (a skip names a forward that runs without graphs, eagerly launched)."""
+    from torch._dynamo.utils import counters
+
+    s, target = run.scale, run.target
+    graphed = compile_forward(target)
+    prompts = random_prompts(s.graphed_prompts, s.prompt_tokens, target.args.vocab_size, seed=6)
+    before = {key: counters["inductor"][key] for key in ("cudagraph_skips", "cudagraph_recorded_non_static_inputs")}
+    out = {"execution": graphed.execution, "kernel": target.attention, "new_tokens": s.graphed_tokens}
+    for name, decoder, drafter in (("eager_ar", target, None), ("graphed_ar", graphed, None),
+                                   (f"graphed_best_first{s.graphed_nodes}", graphed, run.drafter)):
+        steps, found, compile_s = [], [], 0.0
+        for prompt in prompts:
+            started = time.perf_counter()
+            decoding = generate(decoder, [prompt], drafter=drafter, policy=best_first, budget=FixedBudget(s.graphed_nodes),
+                                max_new_tokens=s.graphed_tokens)
+            if name == "eager_ar":
+                out.setdefault("eager_tokens", []).append(decoding.generations[0].tokens)
+            else:
+                found.append(divergence(target, prompt, out["eager_tokens"][len(found)], decoding.generations[0].tokens))
+            compile_s += sum(st.draft_s + st.verify_s + st.other_s for st in decoding.steps if st.compiled)
+            steps += [st for st in decoding.steps if not st.compiled]
+            out.setdefault("wall_s", {}).setdefault(name, 0.0)
+            out["wall_s"][name] += time.perf_counter() - started
+        out[name] = {"step_ms": 1e3 * median(st.draft_s + st.verify_s + st.other_s for st in steps) if steps else None,
+                     "verify_ms": 1e3 * median(st.verify_s for st in steps) if steps else None,
+                     "tokens_per_step": sum(sum(st.produced) for st in steps) / max(1, len(steps)),
+                     "compile_or_record_s": compile_s}
+        if found:
+            out[name].update(exact=all(f is None for f in found), lossless_ties=all(map(is_tie, found)),
+                             divergences=[f for f in found if f is not None])
+    out["recorded_graphs_inputs"] = counters["inductor"]["cudagraph_recorded_non_static_inputs"] - before["cudagraph_recorded_non_static_inputs"]
+    out["skipped_graphs"] = counters["inductor"]["cudagraph_skips"] - before["cudagraph_skips"]
+    del out["eager_tokens"]
+    return out
+
+
 SECTIONS = {"target": section_target, "logits": section_logits, "attention": section_attention,
             "forward": section_forward, "verify_latency": section_verify_latency, "lossless": section_lossless,
             "memory": section_memory, "host_step": section_host_step, "compiled_forward": section_compiled_forward,
-            "graphed_forward": section_graphed_forward}
+            "graphed_forward": section_graphed_forward, "graphed_decode": section_graphed_decode}
 
 
 def plain(value):

@@ -3,6 +3,8 @@ over bucketed shapes decodes exactly AR's tokens."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -10,7 +12,7 @@ from bastion.budget.fixed import FixedBudget
 from bastion.budget.latency import probe_times
 from bastion.engine import generate
 from bastion.models.dynamo import RECOMPILES
-from bastion.models.target import KEY_BUCKET, compile_forward
+from bastion.models.target import KEY_BUCKET, Compiled, compile_forward
 from bastion.tree.best_first import best_first
 from tests.helpers import OracleDrafter, ar_outputs
 
@@ -50,10 +52,19 @@ def test_compiled_decoding_gives_ar_tokens(tiny_qwen3):
     assert not any(s.compiled for s in again.steps if len(s.rows) == 2)
 
 
-def test_a_step_during_which_anything_compiles_is_left_out_of_the_budget(tiny_qwen3):
+def record_a_cuda_graph():
+    """What inductor counts when it records a CUDA graph (a graphed forward's shape, on its call
+    after the one that compiled it), with no GPU to record one."""
+    from torch._dynamo.utils import counters
+
+    counters["inductor"]["cudagraph_recorded_non_static_inputs"] += 3
+
+
+@pytest.mark.parametrize("event", ["compile", "record"])
+def test_a_step_during_which_anything_compiles_is_left_out_of_the_budget(tiny_qwen3, event):
     """Not only the target's captured forward: a graph torch.compile builds for anything during a
-    step (FlexAttention's kernels on their first shapes, a drafter's) makes the step's times a
-    compiler's."""
+    step (FlexAttention's kernels on their first shapes, a drafter's), or a CUDA graph it records,
+    makes the step's times a compiler's."""
     prompts = [[5, 6, 7, 5, 6, 7, 5, 6]]
     expected = ar_outputs(tiny_qwen3, prompts, 16)
     oracle = OracleDrafter(dict(zip(map(tuple, prompts), expected)), vocab=49152)
@@ -63,7 +74,7 @@ def test_a_step_during_which_anything_compiles_is_left_out_of_the_budget(tiny_qw
     def compiling_on_the_third_step(ctx):
         calls.append(ctx)
         if len(calls) == 3:
-            first_use(torch.ones(3))
+            first_use(torch.ones(3)) if event == "compile" else record_a_cuda_graph()
         return propose(ctx)
 
     oracle.propose = compiling_on_the_third_step
@@ -100,3 +111,43 @@ def test_a_compiled_prefill_attends_causally_without_a_mask(tiny_qwen3):
     cache.commit([list(range(8))] * 2)
     _, layout = cache.prepare(4, key_bucket=KEY_BUCKET)  # after it, keys are bucketed (within capacity)
     assert not layout.causal_only and layout.n_keys == 64
+
+
+def test_a_graphed_target_decodes_over_the_same_kv_buffers(tiny_qwen3, monkeypatch):
+    """decode.compile on CUDA replays CUDA graphs, which read and write the KV cache at the
+    addresses they were recorded with: every cache of a graphed target is a view of the same
+    buffers marked static, and keeps its address as finished rows leave (on a CPU, which has no
+    graphs, the eager model stands in for the replays)."""
+    prompts = [[5, 6, 7, 5, 6], [9, 10, 11, 12, 9, 10, 11], [20, 21, 22]]
+    stop = ar_outputs(tiny_qwen3, prompts, 12)[1][3]  # a token row 1 stops at: rows finish at different steps
+    target = replace(tiny_qwen3, eos_ids=frozenset({stop}))
+    expected = ar_outputs(target, prompts, 12)
+    assert len({len(tokens) for tokens in expected}) > 1, "every row stopped at the same step: no row left the batch"
+    graphed = replace(target, compiled=Compiled(target.model, graphs=True))
+    assert graphed.execution == "graphed" and graphed.padded(3) == 4
+    new_cache, views = graphed.new_cache, []  # views: each cache's buffers after rows left, while some remain
+
+    def recording(batch, capacity):
+        cache = new_cache(batch, capacity)
+        keep_rows = cache.keep_rows
+
+        def keeping(rows):
+            keep_rows(rows)
+            if rows:
+                views.append((cache.k, cache.v))
+
+        cache.keep_rows = keeping
+        return cache
+
+    monkeypatch.setattr(graphed, "new_cache", recording)
+    oracle = OracleDrafter(dict(zip(map(tuple, prompts), expected)), vocab=49152)
+    for drafter in (None, oracle):
+        decoding = generate(graphed, prompts, drafter=drafter, policy=best_first, budget=FixedBudget(5), max_new_tokens=12)
+        assert [g.tokens for g in decoding.generations] == expected
+    keys, values = graphed.compiled.buffers
+    assert len(views) >= 2  # in both decodes
+    for k, v in views:
+        assert (k.data_ptr(), v.data_ptr()) == (keys.data_ptr(), values.data_ptr()) and k.shape[1] < len(prompts)
+        assert k._dynamo_static_input_type == v._dynamo_static_input_type == "unguarded"  # torch._dynamo.mark_static_address
+    graphed.compiled.kv_buffers((*keys.shape[:3], keys.shape[3] + 1, keys.shape[4]), keys.dtype, keys.device)
+    assert graphed.compiled.buffers[0].shape[3] == keys.shape[3] + 1  # a longer cache grows them

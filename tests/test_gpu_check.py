@@ -14,7 +14,7 @@ import pytest
 from tests.conftest import ROOT
 
 SECTIONS = ("target", "logits", "attention", "forward", "verify_latency", "lossless", "memory", "host_step",
-            "compiled_forward", "graphed_forward")
+            "compiled_forward", "graphed_forward", "graphed_decode")
 
 
 @pytest.mark.slow
@@ -64,6 +64,10 @@ def test_smoke_run_reports_every_section(tmp_path):
     (graphed,) = sections["graphed_forward"]["cells"]  # a CPU has no graphs: the same forward, run again
     assert not sections["graphed_forward"]["graphs"]
     assert all(graphed[k]["max_abs_diff"] == 0 and graphed[k]["graph_ms"] > 0 for k in kernels), graphed
+    decode = sections["graphed_decode"]  # a CPU compiles by inductor, without graphs
+    assert decode["execution"] == "compiled" and decode["skipped_graphs"] == 0 and decode["recorded_graphs_inputs"] == 0
+    assert decode["eager_ar"]["step_ms"] > 0 and decode["graphed_ar"]["compile_or_record_s"] > 0
+    assert decode["graphed_ar"]["lossless_ties"] and decode["graphed_best_first3"]["lossless_ties"]
 
 
 def test_sections_past_the_deadline_are_skipped_and_reported(tmp_path):

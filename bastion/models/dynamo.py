@@ -18,8 +18,13 @@ def allow_recompiles() -> None:
 
 
 def compiled_graphs() -> int:
-    """Graphs torch.compile has built in this process so far, recompiles included: a step during
-    which this grew spent its time compiling, whichever function (the forward, flex) compiled.
-    0 while dynamo was never imported (importing it takes seconds: not inside a timed step)."""
+    """Graphs torch.compile has built in this process so far, recompiles included, plus the CUDA
+    graphs it has recorded (a graphed forward records a shape on its next call after compiling
+    it): a step during which this grew spent its time compiling or recording, whichever function
+    (the forward, flex) did. 0 while dynamo was never imported (importing it takes seconds: not
+    inside a timed step)."""
     utils = sys.modules.get("torch._dynamo.utils")
-    return 0 if utils is None else utils.counters["stats"]["unique_graphs"]
+    if utils is None:
+        return 0
+    # a recording counts the graph's inputs that are copied into it at each replay: a forward has some (its tokens)
+    return utils.counters["stats"]["unique_graphs"] + utils.counters["inductor"]["cudagraph_recorded_non_static_inputs"]

@@ -20,10 +20,16 @@ from bastion.models.transfer import to_device
 
 
 class KVCache:
-    def __init__(self, n_layers, batch, n_kv_heads, head_dim, capacity, dtype, device, kernel: str = "sdpa"):
-        shape = (n_layers, batch, n_kv_heads, capacity, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, B, Hkv, S, D]
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+    def __init__(self, n_layers, batch, n_kv_heads, head_dim, capacity, dtype, device, kernel: str = "sdpa",
+                 buffers: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """`buffers`: a graphed target's keys and values [L, >= batch, Hkv, capacity, D] to write
+        into (their first `batch` rows) rather than new ones, since CUDA graphs replay over fixed
+        addresses (models/target.py)."""
+        self.static = buffers is not None  # its buffers' addresses are fixed
+        if buffers is None:
+            shape = (n_layers, batch, n_kv_heads, capacity, head_dim)
+            buffers = torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
+        self.k, self.v = (first_rows(buf, batch, self.static) for buf in buffers)  # [L, B, Hkv, S, D]
         self.lengths = [0] * batch  # verified tokens per row
         self.capacity = capacity
         self.kernel = kernel  # the attention kernel its layouts ask for (models/attention.py)
@@ -84,22 +90,28 @@ class KVCache:
         return view
 
     def keep_rows(self, rows: list[int]) -> None:
-        """Drop finished rows: the cache shrinks to `rows`, in that order.
-
-        When every row that moves comes from past the new batch size (the order `fill_holes`
-        gives), the moved rows are copied into place and the buffers become views of their first
-        rows: a finished row costs one row's copy, not a fresh copy of the whole cache."""
+        """Drop finished rows: the cache shrinks to `rows`, in that order, in place. The rows that
+        move are copied into their places and the buffers become views of their first rows: a
+        finished row costs its movers' copy (one row's, in the order `fill_holes` gives), not a
+        copy of the whole cache, and the buffers keep their addresses, which graphs replay over."""
         moves = [(new, old) for new, old in enumerate(rows) if new != old]
-        if all(old >= len(rows) for _, old in moves):
+        if moves:
+            new, old = (to_device(list(ends), self.device) for ends in zip(*moves))
             for buf in (self.k, self.v):
-                for new, old in moves:
-                    buf[:, new].copy_(buf[:, old])
-            self.k, self.v = self.k[:, : len(rows)], self.v[:, : len(rows)]
-        else:
-            index = to_device(rows, self.device, torch.long)
-            self.k = self.k.index_select(1, index)
-            self.v = self.v.index_select(1, index)
+                buf[:, new] = buf[:, old]  # the movers are read (a copy) before any row is written
+        self.k, self.v = (first_rows(buf, len(rows), self.static) for buf in (self.k, self.v))
         self.lengths = [self.lengths[r] for r in rows]
+
+
+def first_rows(buffer: torch.Tensor, batch: int, static: bool) -> torch.Tensor:
+    """The first `batch` rows of a KV buffer [L, B, ...], marked as at a static address where it
+    is a graphed target's: a view is a tensor of its own, and torch.compile's CUDA graphs replay
+    over an input that the graph writes into (the cache) only if it is so marked (else they skip
+    graphs for that forward)."""
+    rows = buffer[:, :batch]
+    if static:
+        torch._dynamo.mark_static_address(rows)  # unguarded: a new address re-records the graph rather than recompiling
+    return rows
 
 
 def fill_holes(keep: list[int]) -> list[int]:

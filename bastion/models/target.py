@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -24,6 +25,35 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.
 
 
 @dataclass
+class Compiled:
+    """decode.compile's forward of a target's model (compile_forward): torch.compile's capture,
+    which on CUDA also replays CUDA graphs (mode reduce-overhead), one per bucketed shape: a
+    forward is then one launch, where eagerly it was thousands (experiments/gpu_h200.md). Graphs
+    replay over fixed addresses, so every KV cache of a graphed target is a view of the same
+    buffers (one cache at a time)."""
+
+    forward: Callable
+    graphs: bool
+    buffers: tuple[torch.Tensor, torch.Tensor] | None = None  # graphs: keys and values [L, B, Hkv, S, D], the largest asked for
+
+    def __call__(self, *args):
+        if not self.graphs:
+            return self.forward(*args)
+        torch.compiler.cudagraph_mark_step_begin()  # the last replay's outputs are no longer read (cloned below)
+        hidden, features = self.forward(*args)
+        return hidden.clone(), None if features is None else features.clone()  # the next replay rewrites them
+
+    def kv_buffers(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Buffers of at least `shape` [L, B, Hkv, S, D]: the same ones while they are large enough
+        (new ones move the graphs' addresses: each re-records once)."""
+        if self.buffers is None or any(have < need for have, need in zip(self.buffers[0].shape, shape)):
+            grown = tuple(shape) if self.buffers is None else tuple(map(max, self.buffers[0].shape, shape))
+            self.buffers = None  # the old ones are freed first
+            self.buffers = torch.zeros(grown, dtype=dtype, device=device), torch.zeros(grown, dtype=dtype, device=device)
+        return self.buffers
+
+
+@dataclass
 class Target:
     """A decoder and its tokenizer, with the three operations speculative decoding needs:
     forward a batch of token trees against a KV cache, read logits, and (on the cache) commit
@@ -36,7 +66,7 @@ class Target:
     eos_ids: frozenset[int] = field(default_factory=frozenset)
     chat_args: dict = field(default_factory=dict)  # the chat template's keyword arguments (Qwen3: enable_thinking)
     attention: str = "sdpa"  # the attention kernel of its forwards (models/attention.py)
-    compiled: object | None = None  # decode.compile: the captured forward (compile_forward), else None
+    compiled: Compiled | None = None  # decode.compile: the captured forward (compile_forward), else None
 
     @property
     def args(self) -> ModelArgs:
@@ -54,7 +84,18 @@ class Target:
         """A KV cache of at least `capacity` slots per row (cache_slots: a compiled target's are bucketed)."""
         a = self.args
         slots = cache_slots(capacity, self.compiled is not None)
-        return KVCache(a.n_layers, batch, a.n_kv_heads, a.head_dim, slots, self.dtype, self.device, self.attention)
+        if self.execution != "graphed":
+            return KVCache(a.n_layers, batch, a.n_kv_heads, a.head_dim, slots, self.dtype, self.device, self.attention)
+        buffers = self.compiled.kv_buffers((a.n_layers, batch, a.n_kv_heads, slots, a.head_dim), self.dtype, self.device)
+        return KVCache(a.n_layers, batch, a.n_kv_heads, a.head_dim, buffers[0].shape[3], self.dtype, self.device, self.attention, buffers)
+
+    @property
+    def execution(self) -> str:
+        """How its forwards run: `eager`, `compiled` (decode.compile) or `graphed` (decode.compile
+        on CUDA: replayed CUDA graphs)."""
+        if self.compiled is None:
+            return "eager"
+        return "graphed" if self.compiled.graphs else "compiled"
 
     @torch.inference_mode()
     def forward(self, tokens, depths, tree_mask, cache: KVCache, capture: tuple[int, ...] = ()):
@@ -67,7 +108,9 @@ class Target:
 
         A compiled target runs bucketed shapes (see compile_forward): N padded to a power of two
         (padding tokens see only themselves in a tree, and causally in a prompt; their outputs are
-        dropped), the attended keys to a multiple of KEY_BUCKET.
+        dropped), the attended keys to a multiple of KEY_BUCKET. A graphed one runs prompts
+        (tree_mask None) eagerly: a prompt's forward is compute-bound, its launches a sliver of
+        it, and a graph per prompt shape would keep that shape's activations in the graphs' pool.
         """
         n, width = tokens.shape[1], self.padded(tokens.shape[1])
         if width > n:
@@ -77,7 +120,8 @@ class Target:
                 padded[:, :n, :n] = tree_mask
                 tree_mask = padded
         write_pos, layout = cache.prepare(width, tree_mask, key_bucket=1 if self.compiled is None else KEY_BUCKET)
-        forward = self.model if self.compiled is None else self.compiled
+        eager = self.compiled is None or (self.compiled.graphs and tree_mask is None)
+        forward = self.model if eager else self.compiled
         hidden, features = forward(tokens, layout.prefix[:, None] + depths, layout, cache, write_pos, capture)
         return hidden[:, :n], None if features is None else features[:, :n]
 
@@ -156,12 +200,12 @@ def drafter_dtype(choice: str | None, device: str | torch.device, target_dtype: 
 
 def compile_forward(target: Target) -> Target:
     """decode.compile=true: the target's forward captured by torch.compile (inductor's fused
-    kernels). Target.forward buckets shapes, so a decode compiles a few graphs once each: one
-    per batch size, token bucket and key bucket. Not CUDA graphs yet: the forward writes the KV
-    cache in place, and torch replays graphs only over inputs at fixed addresses, which the
-    cache's buffers are not once finished rows leave (KVCache.keep_rows)."""
+    kernels), replayed as CUDA graphs on CUDA (Compiled). Target.forward buckets shapes, so a
+    decode compiles a few graphs once each: one per batch size, token bucket and key bucket."""
     allow_recompiles()
-    return replace(target, compiled=torch.compile(target.model, dynamic=False))
+    graphs = target.device.type == "cuda"
+    forward = torch.compile(target.model, dynamic=False, mode="reduce-overhead" if graphs else None)
+    return replace(target, compiled=Compiled(forward, graphs))
 
 
 def load_target(
