@@ -131,7 +131,7 @@ PAPER = Scale(
     lossless_batch=4, prompt_tokens=(96, 160), lossless_tokens=128, fixed_nodes=64,
     memory_batch=16, memory_context=1024, memory_tokens=32, memory_nodes=256,
     host_batches=(1, 16), host_nodes=(16, 256), host_tokens=24,
-    graphed_prompts=2, graphed_tokens=64, graphed_nodes=15,
+    graphed_prompts=2, graphed_tokens=64, graphed_nodes=15,  # trees of 16 tokens: compiled_shapes' (1, 16)
 )
 SMOKE = Scale(
     target="tiny_qwen3", dtype=torch.float32, device="cpu",
@@ -144,7 +144,7 @@ SMOKE = Scale(
     lossless_batch=2, prompt_tokens=(8, 24), lossless_tokens=16, fixed_nodes=8,
     memory_batch=2, memory_context=32, memory_tokens=8, memory_nodes=16,
     host_batches=(1, 2), host_nodes=(4, 16), host_tokens=8,
-    graphed_prompts=1, graphed_tokens=8, graphed_nodes=3,
+    graphed_prompts=1, graphed_tokens=8, graphed_nodes=3,  # trees of 4 tokens: compiled_shapes' (1, 4)
 )
 
 
@@ -226,6 +226,12 @@ class Run:
         randomize(drafter, target.config.initializer_range, torch.Generator(s.device).manual_seed(2))
         drafter.d2t.zero_()  # drafts from the first `vocab` target tokens
         return drafter.eval()
+
+    @cached_property
+    def compiled(self) -> Target:
+        """decode.compile's target (models/target.py compile_forward), shared by the sections that
+        use it so that a shape one compiled (and on CUDA recorded) is not compiled again."""
+        return compile_forward(self.target)
 
     @cached_property
     def hardware(self):
@@ -389,7 +395,7 @@ def section_forward(run: Run) -> dict:
 def section_compiled_forward(run: Run) -> dict:
     """decode.compile's forward (models/target.py compile_forward: inductor, bucketed shapes): the
     seconds each shape takes to compile, then its time per forward next to the eager one's."""
-    s, target = run.scale, compile_forward(run.target)
+    s, target = run.scale, run.compiled
     cells = []
     for B, N in s.compiled_shapes:
         inputs = verify_inputs(target, B, N, s.grid_context)
@@ -570,15 +576,16 @@ def section_host_step(run: Run) -> dict:
 def section_graphed_decode(run: Run) -> dict:
     """decode.compile as the engine runs it (models/target.py Compiled: on CUDA, torch.compile's
     CUDA graphs replayed over the KV buffers every cache views), AR and best-first with a fixed
-    budget (the random drafter), one prompt at a time, against eager AR: each one's tokens
+    budget (the random drafter), one prompt at a time, against eager AR, at the shapes
+    compiled_forward compiled (run after it, nothing compiles again): each one's tokens
     (compiled kernels round unlike eager ones: `lossless_ties`), its median step after the steps
     that compiled or recorded, and what inductor counted: graphs recorded and graphs skipped
     (a skip names a forward that runs without graphs, eagerly launched)."""
     from torch._dynamo.utils import counters
 
-    s, target = run.scale, run.target
-    graphed = compile_forward(target)
-    prompts = random_prompts(s.graphed_prompts, s.prompt_tokens, target.args.vocab_size, seed=6)
+    s, target, graphed = run.scale, run.target, run.compiled
+    # prompts of grid_context tokens, trees of a compiled shape's N: the shapes compiled_forward compiled
+    prompts = random_prompts(s.graphed_prompts, (s.grid_context, s.grid_context), target.args.vocab_size, seed=6)
     before = {key: counters["inductor"][key] for key in ("cudagraph_skips", "cudagraph_recorded_non_static_inputs")}
     out = {"execution": graphed.execution, "kernel": target.attention, "new_tokens": s.graphed_tokens}
     for name, decoder, drafter in (("eager_ar", target, None), ("graphed_ar", graphed, None),
