@@ -10,10 +10,12 @@ per step as forecast (1 + A_hat(n), calibrated by rank) and as they would have b
 time as forecast and as measured here (target forwards of n + 1 tokens), the speedups both
 imply, and how often the controller chose n (up to the next size listed). Then, by the size
 chosen, tokens per step forecast and true at that size and at 4 nodes: whether the steps that
-chose a size were forecast too well there (the optimizer's curse). Then per rank of the whole trees the policy
-built (binned by powers of two): their summed path probability, how many lie on the target's
-path, the ratio, and the controller's own ratio at the bin's first rank at the end (learned
-from the nodes it verified).
+chose a size were forecast too well there (the optimizer's curse). Then the ceilings of sizing
+per step, at the measured times: every step at the listed size its forecast favours, and at the
+one its true tokens favour, against the best fixed size. Then per rank of the whole trees the
+policy built (binned by powers of two): their summed path probability, how many lie on the
+target's path, the ratio, and the controller's own ratio at the bin's first rank at the end
+(learned from the nodes it verified).
 """
 
 from __future__ import annotations
@@ -115,11 +117,30 @@ def main(argv: list[str]) -> None:
     print(f"{'chosen':>6} {'steps':>5} {'fc there':>8} {'cf there':>8} {'fc at 4':>7} {'cf at 4':>7}   (tokens per step: forecast, counterfactual)")
     for n in sorted(by_choice):
         print(f"{n:>6} {len(by_choice[n]):>5} " + " ".join(f"{x:>{w}.3f}" for x, w in zip(np.mean(by_choice[n], 0), (8, 8, 7, 7))))
+    print_ceilings(produced, forecast, {n: (draft_s + measured[n] + other_s if n else ar_s) for n in SIZES}, ar_s)
     print(f"{'ranks':<9} {'A_hat':>8} {'accepted':>8} {'ratio':>6} {'learned':>7}")
     learned = budget.rank_ratios()
     for b, (believed, hits) in enumerate(bins.T):
         if believed:
             print(f"{2 ** b:>4}-{2 ** (b + 1) - 1:<4} {believed:>8.1f} {hits:>8.0f} {hits / believed:>6.3f} {learned[2 ** b - 1]:>7.3f}")
+
+
+def print_ceilings(produced: dict, forecast: dict, step_s: dict, ar_s: float) -> None:
+    """What sizing each step could gain over the best fixed size, priced at the measured step
+    times `step_s` (size -> seconds) so that only the tokens differ: each step at the size its
+    forecast tokens favour (a controller whose latency model is exact and whose decisions cost
+    nothing), and at the size its true tokens favour (no controller can: it knows the target)."""
+    sizes, steps = list(produced), len(next(iter(produced.values())))
+
+    def speedup(choice: list[int]) -> float:  # over AR, steps sized as `choice` says
+        return sum(produced[n][t] for t, n in enumerate(choice)) * ar_s / sum(step_s[n] for n in choice)
+
+    fixed = {n: speedup([n] * steps) for n in sizes}
+    best = max(fixed, key=fixed.get)
+    for name, tokens in (("forecast", forecast), ("truth", produced)):
+        choice = [max(sizes, key=lambda n: tokens[n][t] / step_s[n]) for t in range(steps)]
+        print(f"sized per step by its {name}: {speedup(choice):.3f}x AR, {speedup(choice) / fixed[best]:.3f} of the best "
+              f"fixed size ({best} nodes, {fixed[best]:.3f}x), mean {np.mean(choice):.1f} nodes")
 
 
 if __name__ == "__main__":
