@@ -12,7 +12,7 @@ from bastion.budget.fixed import FixedBudget
 from bastion.budget.latency import probe_times
 from bastion.engine import generate
 from bastion.models.dynamo import RECOMPILES
-from bastion.models.target import KEY_BUCKET, Compiled, compile_forward
+from bastion.models.target import KEY_BUCKET, compile_forward
 from bastion.tree.best_first import best_first
 from tests.helpers import OracleDrafter, ar_outputs
 
@@ -113,17 +113,19 @@ def test_a_compiled_prefill_attends_causally_without_a_mask(tiny_qwen3):
     assert not layout.causal_only and layout.n_keys == 64
 
 
+@pytest.mark.slow
 def test_a_graphed_target_decodes_over_the_same_kv_buffers(tiny_qwen3, monkeypatch):
     """decode.compile on CUDA replays CUDA graphs, which read and write the KV cache at the
     addresses they were recorded with: every cache of a graphed target is a view of the same
-    buffers marked static, and keeps its address as finished rows leave (on a CPU, which has no
-    graphs, the eager model stands in for the replays)."""
+    buffers marked static, and keeps its address as finished rows leave; and a second decode
+    at the same shapes compiles nothing (no guard on the views' identity). A CPU runs the same
+    torch.compile mode, buffers and marks, without the graphs themselves."""
     prompts = [[5, 6, 7, 5, 6], [9, 10, 11, 12, 9, 10, 11], [20, 21, 22]]
     stop = ar_outputs(tiny_qwen3, prompts, 12)[1][3]  # a token row 1 stops at: rows finish at different steps
     target = replace(tiny_qwen3, eos_ids=frozenset({stop}))
     expected = ar_outputs(target, prompts, 12)
     assert len({len(tokens) for tokens in expected}) > 1, "every row stopped at the same step: no row left the batch"
-    graphed = replace(target, compiled=Compiled(target.model, graphs=True))
+    graphed = compile_forward(target, graphs=True)
     assert graphed.execution == "graphed" and graphed.padded(3) == 4
     new_cache, views = graphed.new_cache, []  # views: each cache's buffers after rows left, while some remain
 
@@ -141,11 +143,12 @@ def test_a_graphed_target_decodes_over_the_same_kv_buffers(tiny_qwen3, monkeypat
 
     monkeypatch.setattr(graphed, "new_cache", recording)
     oracle = OracleDrafter(dict(zip(map(tuple, prompts), expected)), vocab=49152)
-    for drafter in (None, oracle):
+    for drafter in (None, oracle, oracle):
         decoding = generate(graphed, prompts, drafter=drafter, policy=best_first, budget=FixedBudget(5), max_new_tokens=12)
         assert [g.tokens for g in decoding.generations] == expected
+    assert not any(step.compiled for step in decoding.steps)  # the third decode: every shape met before
     keys, values = graphed.compiled.buffers
-    assert len(views) >= 2  # in both decodes
+    assert len(views) >= 3  # in every decode
     for k, v in views:
         assert (k.data_ptr(), v.data_ptr()) == (keys.data_ptr(), values.data_ptr()) and k.shape[1] < len(prompts)
         assert k._dynamo_static_input_type == v._dynamo_static_input_type == "unguarded"  # torch._dynamo.mark_static_address

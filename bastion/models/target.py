@@ -198,12 +198,14 @@ def drafter_dtype(choice: str | None, device: str | torch.device, target_dtype: 
     return target_dtype if choice is None else dtype_named(choice)
 
 
-def compile_forward(target: Target) -> Target:
+def compile_forward(target: Target, graphs: bool | None = None) -> Target:
     """decode.compile=true: the target's forward captured by torch.compile (inductor's fused
-    kernels), replayed as CUDA graphs on CUDA (Compiled). Target.forward buckets shapes, so a
-    decode compiles a few graphs once each: one per batch size, token bucket and key bucket."""
+    kernels), replayed as CUDA graphs on CUDA (Compiled; `graphs` forces either way: a CPU, which
+    has none, then runs the same mode, buffers and marks without them). Target.forward buckets
+    shapes, so a decode compiles a few graphs once each: one per batch size, token bucket and
+    key bucket."""
     allow_recompiles()
-    graphs = target.device.type == "cuda"
+    graphs = target.device.type == "cuda" if graphs is None else graphs
     forward = torch.compile(target.model, dynamic=False, mode="reduce-overhead" if graphs else None)
     return replace(target, compiled=Compiled(forward, graphs))
 
