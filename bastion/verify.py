@@ -32,9 +32,10 @@ def verify_greedy(choice: torch.Tensor, trees: list[DraftTree], tokens: torch.Te
     pointer doubling up the parents: log2 of the trees' `depth` (or M) rounds of [B, M] ops), then one transfer of each
     row's deepest accepted node and bonus token: a step waits for the device once, whatever
     the trees' size."""
-    B, M = parents.shape
-    up = torch.where(parents < 0, torch.arange(M, device=parents.device).expand(B, M), parents)  # a root points to itself
-    accepted = (tokens == choice.gather(1, up)) | (parents < 0)  # [B, M]: so far, the node itself matched
+    M = parents.shape[1]
+    up = parents.clamp(min=0)  # the root points to itself; padding slots (roots too) to the root: no node's ancestors, they need no verdict
+    accepted = tokens == choice.gather(1, up)  # [B, M]: so far, the node itself matched
+    accepted[:, 0] = True  # the root is verified
     for _ in range(doubling_rounds(M - 1 if depth is None else depth)):
         accepted = accepted & accepted.gather(1, up)
         up = up.gather(1, up)
