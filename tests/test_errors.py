@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -18,7 +19,7 @@ from bastion.drafters.checkpoint import resolve_checkpoint
 from bastion.drafters.ngram import NgramDrafter
 from bastion.engine import generate
 from bastion.models.loading import ModelNotFound, resolve_source
-from bastion.models.target import load_target
+from bastion.models.target import compile_forward, load_target
 from tests.conftest import ROOT, target_config
 
 
@@ -87,6 +88,17 @@ def test_impossible_budget_fails_before_loading_the_model():
     assert result.returncode != 0
     assert "budget.nodes must be at least 1" in result.stderr
     assert "Cannot load model" not in result.stderr
+
+
+def test_compiled_flex_attention_on_a_cpu_is_refused_before_loading_the_model(tiny_qwen3):
+    """torch's CPU FlexAttention template, compiled inside the forward, reads every layer after the
+    first from the wrong place in the KV cache: wrong tokens for AR and every method alike."""
+    result = run_py("device=cpu", "attention=flex", "decode.compile=true", "target.source=nobody/no-such-model")
+    assert result.returncode != 0
+    assert "decode.compile=true with attention=flex computes wrong attention on a CPU" in result.stderr
+    assert "Cannot load model" not in result.stderr
+    with pytest.raises(ValueError, match="use attention=sdpa"):
+        compile_forward(replace(tiny_qwen3, attention="flex"))
 
 
 def test_parallel_drafting_is_refused_for_a_drafter_that_cannot(tmp_path):

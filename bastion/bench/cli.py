@@ -32,6 +32,8 @@ from bastion.compose import (
 )
 from bastion.drafters.checkpoint import resolve_checkpoint
 from bastion.files import atomic_write_text
+from bastion.models.attention import choose_kernel
+from bastion.models.target import check_compilable
 from bastion.sampling import Sampling
 
 logger = logging.getLogger(__name__)  # Hydra's job logging: the console and the run dir's run.log
@@ -91,6 +93,8 @@ def run(cfg: DictConfig) -> None:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     d = cfg.decode
+    if d.get("compile"):
+        check_compilable(choose_kernel(cfg.get("attention", "auto"), cfg.device), cfg.device)
     sampling = Sampling(d.temperature, d.top_k, d.top_p, d.tree_mode)
     plans = plan_methods(cfg)  # an unknown choice, impossible budget or missing drafter checkpoint fails here, before any model loads
     drafting = [p for p in plans if p.node is not None]

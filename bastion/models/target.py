@@ -204,10 +204,20 @@ def compile_forward(target: Target, graphs: bool | None = None) -> Target:
     has none, then runs the same mode, buffers and marks without them). Target.forward buckets
     shapes, so a decode compiles a few graphs once each: one per batch size, token bucket and
     key bucket."""
+    check_compilable(target.attention, target.device)
     allow_recompiles()
     graphs = target.device.type == "cuda" if graphs is None else graphs
     forward = torch.compile(target.model, dynamic=False, mode="reduce-overhead" if graphs else None)
     return replace(target, compiled=Compiled(forward, graphs))
+
+
+def check_compilable(kernel: str, device: str | torch.device) -> None:
+    """Refuse decode.compile where its forward would be wrong: FlexAttention on a CPU, whose
+    inductor template (torch 2.13) reads the keys of every layer after the first from the wrong
+    place in the KV cache when compiled inside the forward (experiments/NOTES.md)."""
+    if kernel == "flex" and torch.device(device).type == "cpu":
+        raise ValueError("decode.compile=true with attention=flex computes wrong attention on a CPU (torch's CPU "
+                         "FlexAttention template misreads the KV cache's layers): use attention=sdpa, the CPU default.")
 
 
 def load_target(
