@@ -73,14 +73,15 @@ def test_smoke_run_reports_every_section(tmp_path):
 def test_sections_past_the_deadline_are_skipped_and_reported(tmp_path):
     """A device run has a hard time limit: past --deadline the sections not yet started are
     skipped (here every one: the deadline is past before the first), so the one in flight when
-    the limit strikes is never lost."""
+    the limit strikes is never lost. Sections go in the order --only names them."""
     out = tmp_path / "gpu_check.json"
-    command = [sys.executable, str(ROOT / "experiments" / "gpu_check.py"), str(out), "--smoke", "--only", "target,logits",
+    command = [sys.executable, str(ROOT / "experiments" / "gpu_check.py"), str(out), "--smoke", "--only", "logits,target",
                "--deadline", "1e-9"]
     result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert result.returncode == 1, result.stderr[-2000:]
     skipped = {"ok": False, "error": "skipped: past the 1e-09 s deadline", "seconds": 0.0}
-    assert json.loads(out.read_text())["sections"] == {"target": skipped, "logits": skipped}
+    sections = json.loads(out.read_text())["sections"]
+    assert sections == {"target": skipped, "logits": skipped} and list(sections) == ["logits", "target"]
 
 
 def test_a_section_past_its_limit_is_stopped_and_the_next_runs(tmp_path):
