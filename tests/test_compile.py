@@ -152,5 +152,8 @@ def test_a_graphed_target_decodes_over_the_same_kv_buffers(tiny_qwen3, monkeypat
     for k, v in views:
         assert (k.data_ptr(), v.data_ptr()) == (keys.data_ptr(), values.data_ptr()) and k.shape[1] < len(prompts)
         assert k._dynamo_static_input_type == v._dynamo_static_input_type == "unguarded"  # torch._dynamo.mark_static_address
+    forwards, forward = [], graphed.forward
+    monkeypatch.setattr(graphed, "forward", lambda *args: forwards.append(args) or forward(*args))
+    assert len(probe_times(graphed, [3], context=8, repeats=1)[0]) == 1 and len(forwards) == 3  # compiles, records, then timed
     graphed.compiled.kv_buffers((*keys.shape[:3], keys.shape[3] + 1, keys.shape[4]), keys.dtype, keys.device)
     assert graphed.compiled.buffers[0].shape[3] == keys.shape[3] + 1  # a longer cache grows them

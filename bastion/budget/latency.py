@@ -263,13 +263,14 @@ def probe(target, model: LatencyModel, sizes=PROBE_SIZES, context: int = 256, re
 
 def probe_times(target, sizes, context: int, repeats: int) -> list[list[float]]:
     """Seconds of `repeats` forwards of each size [sizes][repeats], taken in passes over every
-    size (after one untimed pass): a slow second of a shared machine then slows one time of
-    every size, which the median drops, rather than all of one size's times."""
+    size (after untimed ones: one, or two for a graphed target, whose forward compiles a shape on
+    its first call and records its CUDA graph on its second): a slow second of a shared machine
+    then slows one time of every size, which the median drops, rather than all of one size's times."""
     device = target.device
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, target.args.vocab_size, (1, context + max(sizes)), generator=gen).to(device)
-    times = [[] for _ in sizes]
-    for _ in tqdm(range(repeats + 1), desc="latency probe", unit="pass", leave=False):
+    times, untimed = [[] for _ in sizes], 2 if target.execution == "graphed" else 1
+    for _ in tqdm(range(untimed + repeats), desc="latency probe", unit="pass", leave=False):
         for n, runs in zip(sizes, times):
             cache = target.new_cache(1, context + target.padded(n))  # a compiled target runs a bucket of n
             cache.lengths = [context]
@@ -278,7 +279,7 @@ def probe_times(target, sizes, context: int, repeats: int) -> list[list[float]]:
             hidden, _ = target.forward(tokens[:, context : context + n], torch.arange(n, device=device)[None], mask, cache)
             target.argmax(hidden)  # what a greedy verification reads of it
             runs.append(now(device) - t0)
-    return [runs[1:] for runs in times]
+    return [runs[untimed:] for runs in times]
 
 
 def nondecreasing(probed: dict[int, tuple[float, float, float]]) -> dict[int, tuple[float, float, float]]:
