@@ -39,7 +39,7 @@ class Step:
     other_s: float
     predicted_verify_s: float | None = None  # the budget controller's forecast of verify_s
     drafted: bool = False  # False: an AR step (the budget or the drafter chose not to draft)
-    compiled: bool = False  # torch.compile built (or recorded as a CUDA graph) a graph during this step (decode.compile, flex): its times are not the method's
+    compiled: bool = False  # torch.compile built a graph, or recorded a CUDA graph, during this step (decode.compile, flex): its times are not the method's
     paths: list[list[int]] = field(default_factory=list)  # per row, the accepted tree indices from the root, in the
     # trees as the budget sized them (none where children were drawn after sizing: sampled trees, T > 0)
 

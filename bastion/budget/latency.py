@@ -322,9 +322,8 @@ def calibrated(target, hw: HardwareProfile, cache_dir: Path) -> LatencyModel:
     """The probe-fitted model, cached per machine (GPU or CPU model, and the CPU threads torch
     uses), hardware profile (its prior shapes the fit), model, dtype, linear kernels, attention
     path (models/attention.py attention_path), how the forward runs (eager, compiled or as CUDA
-    graphs: Target.execution), and what a
-    probe times after the forward (the argmax a greedy verification takes): a fit made
-    elsewhere is never reused."""
+    graphs: Target.execution), and what a probe times after the forward (the argmax a greedy
+    verification takes): a fit made elsewhere is never reused."""
     model = LatencyModel.from_profile(target.args, target.dtype, hw)
     machine = device_name(str(target.device)) + ("" if target.device.type == "cuda" else f"-{torch.get_num_threads()}threads")
     kernels = (linear_kernels(target.model), attention_path(target.attention, target.device, target.dtype), target.execution, "argmax")
