@@ -587,22 +587,21 @@ def section_graphed_decode(run: Run) -> dict:
     # prompts of grid_context tokens, trees of a compiled shape's N: the shapes compiled_forward compiled
     prompts = random_prompts(s.graphed_prompts, (s.grid_context, s.grid_context), target.args.vocab_size, seed=6)
     before = {key: counters["inductor"][key] for key in ("cudagraph_skips", "cudagraph_recorded_non_static_inputs")}
-    out = {"execution": graphed.execution, "kernel": target.attention, "new_tokens": s.graphed_tokens}
+    out = {"execution": graphed.execution, "kernel": target.attention, "new_tokens": s.graphed_tokens, "wall_s": {}}
+    eager_tokens = []
     for name, decoder, drafter in (("eager_ar", target, None), ("graphed_ar", graphed, None),
                                    (f"graphed_best_first{s.graphed_nodes}", graphed, run.drafter)):
-        steps, found, compile_s = [], [], 0.0
+        steps, found, compile_s, started = [], [], 0.0, time.perf_counter()
         for prompt in prompts:
-            started = time.perf_counter()
             decoding = generate(decoder, [prompt], drafter=drafter, policy=best_first, budget=FixedBudget(s.graphed_nodes),
                                 max_new_tokens=s.graphed_tokens)
             if name == "eager_ar":
-                out.setdefault("eager_tokens", []).append(decoding.generations[0].tokens)
+                eager_tokens.append(decoding.generations[0].tokens)
             else:
-                found.append(divergence(target, prompt, out["eager_tokens"][len(found)], decoding.generations[0].tokens))
+                found.append(divergence(target, prompt, eager_tokens[len(found)], decoding.generations[0].tokens))
             compile_s += sum(st.draft_s + st.verify_s + st.other_s for st in decoding.steps if st.compiled)
             steps += [st for st in decoding.steps if not st.compiled]
-            out.setdefault("wall_s", {}).setdefault(name, 0.0)
-            out["wall_s"][name] += time.perf_counter() - started
+        out["wall_s"][name] = time.perf_counter() - started
         out[name] = {"step_ms": 1e3 * median(st.draft_s + st.verify_s + st.other_s for st in steps) if steps else None,
                      "verify_ms": 1e3 * median(st.verify_s for st in steps) if steps else None,
                      "tokens_per_step": sum(sum(st.produced) for st in steps) / max(1, len(steps)),
@@ -612,7 +611,6 @@ def section_graphed_decode(run: Run) -> dict:
                              divergences=[f for f in found if f is not None])
     out["recorded_graphs_inputs"] = counters["inductor"]["cudagraph_recorded_non_static_inputs"] - before["cudagraph_recorded_non_static_inputs"]
     out["skipped_graphs"] = counters["inductor"]["cudagraph_skips"] - before["cudagraph_skips"]
-    del out["eager_tokens"]
     return out
 
 

@@ -101,6 +101,7 @@ def main(argv: list[str]) -> None:
     measured = {n: float(np.median(ts)) for n, ts in zip(SIZES, times)}
     draft_s, other_s = (float(np.median(c)) for c in zip(*costs))
     ar_s = measured[0] + other_s
+    step_true = {n: draft_s + measured[n] + other_s if n else ar_s for n in SIZES}  # seconds of a step of n nodes, measured
     chosen = Counter(s[-1] for s in steps)
     print(f"{target.name}, {cfg.drafter.name} + best_first + BASTION, {cfg.bench.name}, {len(prompts)} prompts x "
           f"{cfg.decode.max_new_tokens} tokens, {len(steps)} drafted steps; draft {1e3 * draft_s:.1f} ms, "
@@ -110,14 +111,13 @@ def main(argv: list[str]) -> None:
         tokens_fc, tokens_cf = np.mean(forecast[n]), np.mean(produced[n])
         verify_fc = 1e3 * np.median(verify_forecast[n])
         step_fc = draft_s + verify_fc / 1e3 + other_s if n else ar_s
-        step_true = draft_s + measured[n] + other_s if n else ar_s
         picked = sum(c for k, c in chosen.items() if n <= k and (n == SIZES[-1] or k < SIZES[SIZES.index(n) + 1]))
         print(f"{n:>3} {tokens_fc:>9.3f} {tokens_cf:>9.3f} {verify_fc:>9.2f} {1e3 * measured[n]:>9.2f} "
-              f"{tokens_fc * ar_s / step_fc:>6.3f} {tokens_cf * ar_s / step_true:>6.3f} {picked:>6}")
+              f"{tokens_fc * ar_s / step_fc:>6.3f} {tokens_cf * ar_s / step_true[n]:>6.3f} {picked:>6}")
     print(f"{'chosen':>6} {'steps':>5} {'fc there':>8} {'cf there':>8} {'fc at 4':>7} {'cf at 4':>7}   (tokens per step: forecast, counterfactual)")
     for n in sorted(by_choice):
         print(f"{n:>6} {len(by_choice[n]):>5} " + " ".join(f"{x:>{w}.3f}" for x, w in zip(np.mean(by_choice[n], 0), (8, 8, 7, 7))))
-    print_ceilings(produced, forecast, {n: (draft_s + measured[n] + other_s if n else ar_s) for n in SIZES}, ar_s)
+    print_ceilings(produced, forecast, step_true, ar_s)
     print(f"{'ranks':<9} {'A_hat':>8} {'accepted':>8} {'ratio':>6} {'learned':>7}")
     learned = budget.rank_ratios()
     for b, (believed, hits) in enumerate(bins.T):
