@@ -134,6 +134,16 @@ def test_best_first_refuses_a_child_that_scores_above_its_parent():
         best_first(block, 4)
 
 
+def test_a_block_proposal_reaches_the_host_with_exact_tokens():
+    """Token ids travel beside the log-probabilities in one float32 tensor, as int32 bits: ids
+    past 2^24, which a float32 value cannot hold, arrive unchanged."""
+    tokens = torch.tensor([[[2**24 + 1, 151_935], [0, 2**31 - 1]]])
+    logprobs = torch.tensor([[[-0.25, -1.5], [-math.inf, -3.0]]])
+    host_tokens, host_logprobs = BlockProposal([5], tokens, logprobs).on_host()
+    assert host_tokens.dtype == np.int64 and np.array_equal(host_tokens, tokens.numpy())
+    assert np.array_equal(host_logprobs, logprobs.numpy())
+
+
 def proposal(probs: list[list[float]]) -> BlockProposal:
     """K positions, k candidates each; candidate r at position j is token 100*j + r."""
     K, k = len(probs), len(probs[0])

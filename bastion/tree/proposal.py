@@ -27,10 +27,12 @@ class BlockProposal:
     vocab: torch.Tensor | None = None  # [V'] the token ids of the logits' last dimension (None: the whole vocabulary)
 
     def on_host(self) -> tuple[np.ndarray, np.ndarray]:
-        """tokens (int64) and logprobs (float64) [B, K, k] on the host, in one transfer from the
-        device (tokens travel as float64: exact below 2^53)."""
-        tokens, logprobs = torch.stack([self.tokens.double(), self.logprobs.double()]).cpu().numpy()
-        return tokens.astype(np.int64), logprobs
+        """tokens (int64) and logprobs (float32) [B, K, k] on the host, in one transfer from the
+        device: the tokens travel as the bits of int32s beside the logprobs, in float32 (a
+        drafter's log-probabilities are float32; best-first ranks them in float32 anyway)."""
+        bits = self.tokens.to(torch.int32).view(torch.float32)
+        tokens, logprobs = torch.stack([bits, self.logprobs.to(torch.float32)]).cpu().numpy()
+        return tokens.view(np.int32).astype(np.int64), logprobs
 
     def distributions(self, sampling: Sampling, vocab_size: int) -> torch.Tensor:
         """The draft distributions q [B, K, V] that sampled trees are drawn from: the logits
