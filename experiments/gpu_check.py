@@ -297,11 +297,27 @@ def section_logits(run: Run) -> dict:
         expected = hf.eval()(torch.tensor([tokens], device=target.device)).logits[0].float()  # [T, V]
     out = {"reference": "transformers AutoModelForCausalLM (sdpa), the same weight tensors",
            "layers": target.args.n_layers, "tokens": len(tokens), "max_abs_logit": float(expected.abs().max())}
+    half = len(tokens) // 2
+    out["kernel_from"] = half  # logits from here on came through the kernel
     for kernel in run.scale.kernels:
-        ours = replace(target, attention=kernel).score(tokens).float()
+        ours = continued_logits(replace(target, attention=kernel), tokens, half).float()
         out[kernel] = {"max_abs_diff": float((ours - expected).abs().max()),
+                       "max_abs_diff_through_kernel": float((ours[half:] - expected[half:]).abs().max()),
                        "argmax_agreement": float((ours.argmax(-1) == expected.argmax(-1)).float().mean())}
     return out
+
+
+def continued_logits(target: Target, tokens: list[int], split: int) -> torch.Tensor:
+    """Logits [T, V] of `tokens` by two forwards: tokens[:split] as a prompt, then the rest after
+    its cached keys. A prompt's first chunk is plain causal attention, which every kernel hands
+    to sdpa (models/attention.py); the second forward's layout goes through the kernel."""
+    cache, out = target.new_cache(1, target.padded(len(tokens))), []
+    for part in (tokens[:split], tokens[split:]):
+        depths = torch.arange(len(part), device=target.device)[None]
+        hidden, _ = target.forward(torch.tensor([part], device=target.device), depths, None, cache)
+        cache.commit([list(range(len(part)))])
+        out.append(target.logits(hidden[0]))
+    return torch.cat(out)
 
 
 @torch.inference_mode()  # as the engine's forwards run: compiled flex would otherwise compile again for grad mode
@@ -328,16 +344,24 @@ def section_attention(run: Run) -> dict:
         out["flex"]["block_mask_ms"] = 1e3 * median_seconds(flex_layout, s.device, s.repeats)
     out["batch1"] = []  # one row: where flex may take inductor's decoding kernel (models/attention.py)
     for N in s.decode_nodes:
-        q, k, v, layout = attention_inputs(s, 1, N, seed=N)
-        sdpa = attend(q, k, v, layout).float()
-        out["batch1"].append({"N": N, **{f"{kernel}_max_abs_err_vs_sdpa": float(
-            (attend(q, k, v, replace(layout, kernel=kernel)).float() - sdpa).abs().max()) for kernel in s.kernels}})
+        out["batch1"].append({"N": N, **errors_vs_sdpa(s, *attention_inputs(s, 1, N, seed=N))})
+    out["causal"] = []  # no tree: AR steps and later prompt chunks, after a verified prefix
+    for N in (1, s.attention_nodes):
+        out["causal"].append({"N": N, **errors_vs_sdpa(s, *attention_inputs(s, s.attention_batch, N, seed=N, tree=False))})
     return out
 
 
-def attention_inputs(s: Scale, B: int, N: int, seed: int):
+def errors_vs_sdpa(s: Scale, q, k, v, layout) -> dict:
+    """Each kernel's largest difference from sdpa on one layout."""
+    sdpa = attend(q, k, v, layout).float()
+    return {f"{kernel}_max_abs_err_vs_sdpa": float((attend(q, k, v, replace(layout, kernel=kernel)).float() - sdpa).abs().max())
+            for kernel in s.kernels}
+
+
+def attention_inputs(s: Scale, B: int, N: int, seed: int, tree: bool = True):
     """q/k/v of one verify in the target's shape and dtype, and its Layout (sdpa): a random tree
-    of N tokens per row after a verified prefix drawn from `attention_prefix`."""
+    of N tokens per row (else N tokens in a causal run) after a verified prefix drawn from
+    `attention_prefix`."""
     args = model_args(target_fields(s.target))
     g = torch.Generator(s.device).manual_seed(seed)
     prefix = torch.randint(s.attention_prefix[0], s.attention_prefix[1] + 1, (B,), generator=g, device=s.device)
@@ -345,8 +369,8 @@ def attention_inputs(s: Scale, B: int, N: int, seed: int):
     q = torch.randn(B, args.n_heads, N, args.head_dim, generator=g, device=s.device).to(s.dtype)
     k, v = (torch.randn(B, args.n_kv_heads, S, args.head_dim, generator=g, device=s.device).to(s.dtype)
             for _ in range(2))
-    _, _, tree, *_ = pack(random_trees(B, N, vocab=1, seed=seed), s.device)  # [B, N, N]
-    return q, k, v, Layout(prefix, tree, N, S, "sdpa")
+    mask = pack(random_trees(B, N, vocab=1, seed=seed), s.device)[2] if tree else None  # [B, N, N]
+    return q, k, v, Layout(prefix, mask, N, S, "sdpa")
 
 
 def verify_inputs(target: Target, B: int, N: int, context: int):
@@ -368,9 +392,10 @@ def section_forward(run: Run) -> dict:
     s, target = run.scale, run.target
     cells = []
     for B, N in s.forward_shapes:
-        inputs, cell = verify_inputs(target, B, N, s.grid_context), {"B": B, "N": N}
-        for kernel in s.kernels:
+        cell = {"B": B, "N": N}
+        for kernel in s.kernels:  # the kernel is the cache's (KVCache.prepare's layout): inputs made by each kernel's target
             kernel_target = replace(target, attention=kernel)
+            inputs = verify_inputs(kernel_target, B, N, s.grid_context)
             cell[f"{kernel}_ms"] = 1e3 * median_seconds(lambda: kernel_target.forward(*inputs), s.device, s.repeats)
         cells.append(cell)
     B, N = s.forward_shapes[1]
@@ -392,22 +417,26 @@ def section_forward(run: Run) -> dict:
                      "self_device_ms": e.self_device_time_total / 1e3} for e in busiest]}}
 
 
+@torch.inference_mode()  # as the engine's forwards run (graphed_decode's too): a graph guards on its inputs' inference mode
 def section_compiled_forward(run: Run) -> dict:
     """decode.compile's forward (models/target.py compile_forward: inductor, bucketed shapes): the
     seconds each shape takes to compile, then its time per forward next to the eager one's."""
     s, target = run.scale, run.compiled
     cells = []
     for B, N in s.compiled_shapes:
+        # as graphed_decode's decodes will run them, so that it compiles nothing: AR steps without
+        # features, trees with the drafter's (what a forward captures is part of its graph)
+        capture = tuple(run.drafter.feature_layers) if N > 1 else ()
         inputs = verify_inputs(target, B, N, s.grid_context)
         started = time.perf_counter()
-        target.forward(*inputs)
+        target.forward(*inputs, capture=capture)
         if s.device == "cuda":
             torch.cuda.synchronize()
         compile_s = time.perf_counter() - started
         eager = verify_inputs(run.target, B, N, s.grid_context)
-        cells.append({"B": B, "N": N, "compile_s": compile_s,
-                      "compiled_ms": 1e3 * median_seconds(lambda: target.forward(*inputs), s.device, s.repeats),
-                      "eager_ms": 1e3 * median_seconds(lambda: run.target.forward(*eager), s.device, s.repeats)})
+        cells.append({"B": B, "N": N, "capture": list(capture), "compile_s": compile_s,
+                      "compiled_ms": 1e3 * median_seconds(lambda: target.forward(*inputs, capture=capture), s.device, s.repeats),
+                      "eager_ms": 1e3 * median_seconds(lambda: run.target.forward(*eager, capture=capture), s.device, s.repeats)})
     return {"context": s.grid_context, "kernel": target.attention, "cells": cells}
 
 
@@ -466,8 +495,6 @@ def section_graphed_forward(run: Run) -> dict:
                                 "graph_ms": 1e3 * median_seconds(replay, s.device, s.repeats),
                                 "max_abs_diff": float((replay().float() - eager.float()).abs().max())}
                 del replay
-            except TimeoutError:  # the section's time limit (run_section)
-                raise
             except Exception as error:  # noqa: BLE001 (recorded in place of the cell's figures)
                 cell[kernel] = {"error": f"{stage}: {type(error).__name__}: {error}".splitlines()[0],
                                 "traceback": traceback.format_exc()}
@@ -635,8 +662,15 @@ def version(package: str) -> str | None:
 ALARM_REPEAT = 0.25  # seconds between a late section's alarms after the first (an import that fails may be retried, swallowing one)
 
 
+class SectionTimeout(BaseException):
+    """A section past --section-limit: a BaseException, so that no `except Exception` on the way
+    (dynamo's and inductor's wrap or swallow what they catch) turns it into another error."""
+
+
 def out_of_time(signum, frame):
-    raise TimeoutError("past its time limit (--section-limit)")
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return  # never inside a CUDA graph capture, which would stay open: the alarm repeats
+    raise SectionTimeout("past its time limit (--section-limit)")
 
 
 def run_section(run: Run, section, limit: float) -> dict:
@@ -653,7 +687,7 @@ def run_section(run: Run, section, limit: float) -> dict:
         result = {"ok": True, **section(run)}
         if cuda:
             torch.cuda.synchronize()  # its queued work counts in its time, and its errors here
-    except Exception as error:  # every section runs and reports, whatever another one raised
+    except (Exception, SectionTimeout) as error:  # every section runs and reports, whatever another one raised
         signal.setitimer(signal.ITIMER_REAL, 0)
         summary = f"{type(error).__name__}: {error}".splitlines()[0]
         result = {"ok": False, "error": summary, "traceback": traceback.format_exc()}

@@ -42,7 +42,8 @@ def test_smoke_run_reports_every_section(tmp_path):
     kernels = [k for k in ("sdpa", "flex", "triton") if k in sections["attention"]]
     assert kernels[:2] == ["sdpa", "flex"]
     for kernel in kernels:  # float32: every kernel is transformers' and SDPA's within rounding
-        assert sections["logits"][kernel]["max_abs_diff"] < 1e-4 and sections["logits"][kernel]["argmax_agreement"] == 1.0
+        logits = sections["logits"][kernel]
+        assert logits["max_abs_diff"] < 1e-4 and logits["max_abs_diff_through_kernel"] < 1e-4 and logits["argmax_agreement"] == 1.0
         assert sections["attention"][kernel]["max_abs_err_vs_float32"] < 1e-5
     cells = sections["verify_latency"]["cells"]
     assert {(c["B"], c["N"]) for c in cells} == {(b, n) for b in (1, 2) for n in (1, 4, 16)}
@@ -55,12 +56,15 @@ def test_smoke_run_reports_every_section(tmp_path):
     assert len(sections["host_step"]["cells"]) == 4
     assert [c["N"] for c in sections["attention"]["batch1"]] == [4]
     assert all(c[f"{k}_max_abs_err_vs_sdpa"] < 1e-5 for c in sections["attention"]["batch1"] for k in kernels)
+    causal = sections["attention"]["causal"]  # no tree, after a prefix
+    assert [c["N"] for c in causal] == [1, sections["attention"]["shape"]["N"]]
+    assert all(c[f"{k}_max_abs_err_vs_sdpa"] < 1e-5 for c in causal for k in kernels)
     forward = sections["forward"]
     assert [(c["B"], c["N"]) for c in forward["cells"]] == [(1, 1), (2, 8)]
     assert all(c[f"{k}_ms"] > 0 for c in forward["cells"] for k in kernels)
     assert forward["profile"]["aten_calls"] > 0 and forward["profile"]["busiest"][0]["self_cpu_ms"] > 0
     (compiled,) = sections["compiled_forward"]["cells"]
-    assert compiled["compile_s"] > 0 and compiled["compiled_ms"] > 0 and compiled["eager_ms"] > 0
+    assert compiled["compile_s"] > 0 and compiled["compiled_ms"] > 0 and compiled["eager_ms"] > 0 and compiled["capture"]  # N > 1: the drafter's feature layers
     (graphed,) = sections["graphed_forward"]["cells"]  # a CPU has no graphs: the same forward, run again
     assert not sections["graphed_forward"]["graphs"]
     assert all(graphed[k]["max_abs_diff"] == 0 and graphed[k]["graph_ms"] > 0 for k in kernels), graphed
@@ -68,6 +72,7 @@ def test_smoke_run_reports_every_section(tmp_path):
     assert decode["execution"] == "compiled" and decode["skipped_graphs"] == 0 and decode["recorded_graphs_inputs"] == 0
     assert decode["eager_ar"]["step_ms"] > 0 and decode["graphed_ar"]["compile_or_record_s"] > 0
     assert decode["graphed_ar"]["lossless_ties"] and decode["graphed_best_first3"]["lossless_ties"]
+    assert decode["graphed_best_first3"]["compile_or_record_s"] == 0  # compiled_forward compiled its steps' graph
 
 
 def test_sections_past_the_deadline_are_skipped_and_reported(tmp_path):
@@ -91,4 +96,4 @@ def test_a_section_past_its_limit_is_stopped_and_the_next_runs(tmp_path):
     result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     sections = json.loads(out.read_text())["sections"]
     assert result.returncode == 1 and list(sections) == ["target", "logits"], result.stderr[-2000:]
-    assert all(s["error"] == "TimeoutError: past its time limit (--section-limit)" for s in sections.values())
+    assert all(s["error"] == "SectionTimeout: past its time limit (--section-limit)" for s in sections.values())
