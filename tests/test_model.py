@@ -129,3 +129,12 @@ def test_fill_holes_moves_only_rows_past_the_new_batch_size():
     assert fill_holes([0, 2, 3, 5]) == [0, 5, 2, 3]  # rows 1 and 4 finished: 5 fills 1, the rest stay
     assert fill_holes([1, 2]) == [2, 1]
     assert fill_holes([0, 1, 2]) == [0, 1, 2]
+
+
+def test_a_target_keeps_its_rotary_frequencies_on_its_device():
+    """The inverse frequencies are a plain attribute (float32 under any model dtype), which
+    model.to(device) leaves on the host: load_target moves them, so that a compiled forward's
+    first call reads no host tensor (inductor would skip its CUDA graph). The meta device stands
+    in for a GPU."""
+    target = load_target(**{**small("tiny_qwen3"), "device": "meta"})
+    assert target.model.rotary.inv_freq.device.type == "meta"
