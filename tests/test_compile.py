@@ -85,9 +85,8 @@ def test_a_step_during_which_anything_compiles_is_left_out_of_the_budget(tiny_qw
     assert budget.seen == [s for i, s in enumerate(decoding.steps) if i != 2]
 
 
-def test_a_compiled_forward_with_flex_attention_is_one_graph():
-    """decode.compile with FlexAttention (the CUDA default): the layout arrives with its block mask,
-    so nothing inside the forward splits the graph (building it lazily there did, at every layer)."""
+def flex_tree_forward():
+    """A tiny target with FlexAttention and the arguments of its model's forward over a tree."""
     from tests.conftest import load_target, target_config
 
     target = load_target(**target_config("tiny_qwen3", dtype="float32", attention="flex"))
@@ -95,10 +94,36 @@ def test_a_compiled_forward_with_flex_attention_is_one_graph():
     tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool).repeat(2, 1, 1)
     write_pos, layout = cache.prepare(4, tree)
     positions = layout.prefix[:, None] + torch.tensor([0, 1, 1, 2])
+    tokens = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
+    return target, (tokens, positions, layout, cache, write_pos, ())
+
+
+def test_a_compiled_forward_with_flex_attention_is_one_graph():
+    """decode.compile with FlexAttention (the CUDA default): the layout arrives with its block mask,
+    so nothing inside the forward splits the graph (building it lazily there did, at every layer)."""
+    target, args = flex_tree_forward()
     with torch.no_grad():  # FlexAttention has no backward on a CPU
-        tokens = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
-        explained = torch._dynamo.explain(target.model)(tokens, positions, layout, cache, write_pos, ())
+        explained = torch._dynamo.explain(target.model)(*args)
     assert explained.graph_break_count == 0, [b.reason.splitlines()[0] for b in explained.break_reasons]
+
+
+def test_a_compiled_forward_with_flex_attention_does_not_guard_on_dynamos_config(monkeypatch):
+    """Traced inside a compiled forward, compiling flex leaves dynamo's recompile limit alone
+    (compile_forward raised it): a guard on it would compile every graph again whenever the
+    limit changes."""
+    from torch._dynamo.utils import counters
+
+    from bastion.models.attention import _flex
+
+    target, args = flex_tree_forward()
+    _flex.cache_clear()  # so that the traced forward compiles flex itself
+    forward = torch.compile(target.model, backend="eager")
+    with torch.no_grad():
+        forward(*args)
+        graphs = counters["stats"]["unique_graphs"]
+        monkeypatch.setattr(torch._dynamo.config, "recompile_limit", RECOMPILES + 1)
+        forward(*args)
+    assert counters["stats"]["unique_graphs"] == graphs
 
 
 def test_a_compiled_prefill_attends_causally_without_a_mask(tiny_qwen3):

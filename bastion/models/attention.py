@@ -249,6 +249,7 @@ def _flex(device_type: str):
     compiles per shape (its default kernel is sdpa anyway)."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    allow_recompiles()
+    if not torch.compiler.is_compiling():  # traced inside a compiled forward (decode.compile), its compile_forward raised the
+        allow_recompiles()  # limit already, and setting it there would guard the forward's graphs on dynamo's config
     return torch.compile(flex_attention, dynamic=device_type == "cuda")
 
