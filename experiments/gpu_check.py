@@ -124,7 +124,7 @@ PAPER = Scale(
     target="qwen3_8b", dtype=torch.bfloat16, device="cuda", kernels=("sdpa", "flex", "triton"),
     drafter_layers=5, block_size=16, feature_layers=5, mask_token_id=151669,  # z-lab Qwen3 drafters' mask token
     logit_tokens=32, attention_batch=16, attention_nodes=257, attention_prefix=(3584, 4096),
-    decode_nodes=(1, 4, 16, 33, 64), forward_shapes=((1, 1), (1, 16), (16, 256)), compiled_shapes=((1, 1), (1, 16)),
+    decode_nodes=(1, 4, 16, 33, 64), forward_shapes=((1, 1), (1, 16), (1, 32), (16, 256)), compiled_shapes=((1, 1), (1, 16)),
     graph_shapes=((1, 1), (1, 16), (4, 64)),
     grid_batches=(1, 4, 16), grid_nodes=(1, 4, 16, 64, 256, 1024), grid_context=1024, probe_sizes=PROBE_SIZES,
     repeats=5,
@@ -195,6 +195,14 @@ class Run:
 
     def __init__(self, scale: Scale, attention: str, cache_dir: Path):
         self.scale, self.attention, self.cache_dir = scale, attention, cache_dir
+        self.cells: list[dict] = []  # the running section's cells so far (partial)
+
+    def partial(self) -> list[dict]:
+        """A list for the running section's cells, which run_section reports as they are if the
+        section fails or runs out of time midway: a compile that takes the rest of its time
+        limit keeps the shapes measured before it."""
+        self.cells = []
+        return self.cells
 
     @cached_property
     def target(self) -> Target:
@@ -390,7 +398,7 @@ def section_forward(run: Run) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     s, target = run.scale, run.target
-    cells = []
+    cells = run.partial()
     for B, N in s.forward_shapes:
         cell = {"B": B, "N": N}
         for kernel in s.kernels:  # the kernel is the cache's (KVCache.prepare's layout): inputs made by each kernel's target
@@ -422,7 +430,7 @@ def section_compiled_forward(run: Run) -> dict:
     """decode.compile's forward (models/target.py compile_forward: inductor, bucketed shapes): the
     seconds each shape takes to compile, then its time per forward next to the eager one's."""
     s, target = run.scale, run.compiled
-    cells = []
+    cells = run.partial()
     for B, N in s.compiled_shapes:
         # as graphed_decode's decodes will run them, so that it compiles nothing: AR steps without
         # features, trees with the drafter's (what a forward captures is part of its graph)
@@ -471,7 +479,7 @@ def section_graphed_forward(run: Run) -> dict:
     inside it, spoiling every later CUDA call, so after one the remaining cells are not tried
     (each failure's traceback is recorded, the chained cause included)."""
     s = run.scale
-    cells, failed = [], None
+    cells, failed = run.partial(), None
     for B, N in s.graph_shapes:
         cell = {"B": B, "N": N}
         for kernel in s.kernels:
@@ -517,7 +525,7 @@ def section_verify_latency(run: Run) -> dict:
     except ValueError as error:  # the probe refuses timings a busy machine disturbed
         out["calibrated_error"] = str(error)
         del models["calibrated"]
-    cells = []
+    cells = run.partial()
     for B in s.grid_batches:
         for N in s.grid_nodes:
             inputs = verify_inputs(target, B, N, s.grid_context)
@@ -592,7 +600,7 @@ def section_memory(run: Run) -> dict:
 def section_host_step(run: Run) -> dict:
     """experiments/host_step.py's split of a step (random candidates, no draft cost, a fixed
     budget) on this run's target: what the host adds to each verify forward."""
-    s, cells = run.scale, []
+    s, cells = run.scale, run.partial()
     for B in s.host_batches:
         for N in s.host_nodes:
             total, forward, host = step_split(run.target, best_first, FixedBudget(N), B, s.host_tokens)
@@ -680,7 +688,7 @@ def run_section(run: Run, section, limit: float) -> dict:
     cuda = run.scale.device == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    started = time.perf_counter()
+    started, run.cells = time.perf_counter(), []
     signal.signal(signal.SIGALRM, out_of_time)
     signal.setitimer(signal.ITIMER_REAL, limit, ALARM_REPEAT if limit else 0)  # again and again: library code may swallow one
     try:
@@ -690,7 +698,7 @@ def run_section(run: Run, section, limit: float) -> dict:
     except (Exception, SectionTimeout) as error:  # every section runs and reports, whatever another one raised
         signal.setitimer(signal.ITIMER_REAL, 0)
         summary = f"{type(error).__name__}: {error}".splitlines()[0]
-        result = {"ok": False, "error": summary, "traceback": traceback.format_exc()}
+        result = {"ok": False, "error": summary, "traceback": traceback.format_exc(), "partial_cells": run.cells}
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
     result["seconds"] = time.perf_counter() - started

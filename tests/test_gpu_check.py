@@ -97,3 +97,23 @@ def test_a_section_past_its_limit_is_stopped_and_the_next_runs(tmp_path):
     sections = json.loads(out.read_text())["sections"]
     assert result.returncode == 1 and list(sections) == ["target", "logits"], result.stderr[-2000:]
     assert all(s["error"] == "SectionTimeout: past its time limit (--section-limit)" for s in sections.values())
+
+
+def test_a_failed_section_reports_the_cells_it_measured(tmp_path, monkeypatch):
+    """A section that fails or runs out of time midway (a compile taking the rest of its limit)
+    still reports the cells measured before: device time is too scarce to measure them again."""
+    monkeypatch.syspath_prepend(str(ROOT / "experiments"))  # as when run as a script: host_step beside it
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "experiments" / "gpu_check.py")
+    gpu_check = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "gpu_check", gpu_check)  # its dataclasses look their module up
+    spec.loader.exec_module(gpu_check)
+    run = gpu_check.Run(gpu_check.SMOKE, "auto", tmp_path)
+
+    def section(run):
+        run.partial().append({"B": 1, "N": 1, "compile_s": 2.0})
+        raise RuntimeError("the next shape failed to compile")
+
+    result = gpu_check.run_section(run, section, limit=0)
+    assert not result["ok"] and result["error"] == "RuntimeError: the next shape failed to compile"
+    assert result["partial_cells"] == [{"B": 1, "N": 1, "compile_s": 2.0}]
+    assert gpu_check.run_section(run, lambda run: {"cells": run.partial()}, limit=0)["cells"] == []
