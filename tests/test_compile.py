@@ -107,7 +107,7 @@ def test_a_compiled_forward_with_flex_attention_is_one_graph():
     assert explained.graph_break_count == 0, [b.reason.splitlines()[0] for b in explained.break_reasons]
 
 
-def test_a_compiled_forward_with_flex_attention_does_not_guard_on_dynamos_config(monkeypatch):
+def test_a_compiled_forward_with_flex_attention_does_not_guard_on_dynamos_config():
     """Traced inside a compiled forward, compiling flex leaves dynamo's recompile limit alone
     (compile_forward raised it): a guard on it would compile every graph again whenever the
     limit changes."""
@@ -121,8 +121,8 @@ def test_a_compiled_forward_with_flex_attention_does_not_guard_on_dynamos_config
     with torch.no_grad():
         forward(*args)
         graphs = counters["stats"]["unique_graphs"]
-        monkeypatch.setattr(torch._dynamo.config, "recompile_limit", RECOMPILES + 1)
-        forward(*args)
+        with torch._dynamo.config.patch(recompile_limit=RECOMPILES + 1):
+            forward(*args)
     assert counters["stats"]["unique_graphs"] == graphs
 
 
@@ -182,3 +182,4 @@ def test_a_graphed_target_decodes_over_the_same_kv_buffers(tiny_qwen3, monkeypat
     assert len(probe_times(graphed, [3], context=8, repeats=1)[0]) == 1 and len(forwards) == 3  # compiles, records, then timed
     graphed.compiled.kv_buffers((*keys.shape[:3], keys.shape[3] + 1, keys.shape[4]), keys.dtype, keys.device)
     assert graphed.compiled.buffers[0].shape[3] == keys.shape[3] + 1  # a longer cache grows them
+
