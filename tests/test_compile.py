@@ -183,3 +183,25 @@ def test_a_graphed_target_decodes_over_the_same_kv_buffers(tiny_qwen3, monkeypat
     graphed.compiled.kv_buffers((*keys.shape[:3], keys.shape[3] + 1, keys.shape[4]), keys.dtype, keys.device)
     assert graphed.compiled.buffers[0].shape[3] == keys.shape[3] + 1  # a longer cache grows them
 
+
+@pytest.mark.slow
+def test_a_graphed_target_runs_a_bucket_of_rows_as_rows_leave(tiny_qwen3, monkeypatch):
+    """A graphed target pads a step's rows to a power of two (at most the rows its buffers hold),
+    so that rows leaving a decode one by one run few batch sizes, each compiled once: five rows
+    run as 5, 4, 2 and 1, never 3, and the padding rows change no row's tokens."""
+    prompts = [[5 + i, 6, 7 + 2 * i, 5, 6 + i][: 3 + i % 3] for i in range(5)]
+    free = ar_outputs(tiny_qwen3, prompts, 12)
+
+    def decoding_rows(stop: int) -> set[int]:  # rows still decoding at each step, were `stop` an end of turn
+        ends = [tokens.index(stop) + 1 if stop in tokens else 12 for tokens in free]
+        return {sum(end > step for end in ends) for step in range(12)}
+
+    stop = next((t for tokens in free for t in tokens if 3 in decoding_rows(t)), None)
+    assert stop is not None, "no token leaves three rows decoding at some step"
+    target = replace(tiny_qwen3, eos_ids=frozenset({stop}))
+    expected = ar_outputs(target, prompts, 12)
+    graphed = compile_forward(target, graphs=True)
+    batches, forward = [], graphed.compiled.forward
+    monkeypatch.setattr(graphed.compiled, "forward", lambda tokens, *args: batches.append(len(tokens)) or forward(tokens, *args))
+    assert ar_outputs(graphed, prompts, 12) == expected
+    assert 3 not in batches and set(batches) <= {5, 4, 2, 1}, batches

@@ -29,6 +29,7 @@ class KVCache:
         if buffers is None:
             shape = (n_layers, batch, n_kv_heads, capacity, head_dim)
             buffers = torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
+        self.buffers = buffers  # [L, >= B, Hkv, S, D], whole: its rows are their first B
         self.k, self.v = (first_rows(buf, batch, self.static) for buf in buffers)  # [L, B, Hkv, S, D]
         self.lengths = [0] * batch  # verified tokens per row
         self.capacity = capacity
@@ -87,6 +88,21 @@ class KVCache:
         its commits do not reach this cache's lengths."""
         view = copy.copy(self)
         view.k, view.v, view.lengths = self.k[:, start:stop], self.v[:, start:stop], self.lengths[start:stop]
+        return view
+
+    @property
+    def rows_held(self) -> int:
+        """The rows its buffers hold: its own and, past them, rows no cache uses."""
+        return self.buffers[0].shape[1]
+
+    def padded(self, batch: int) -> KVCache:
+        """This cache as one of `batch` rows (at most rows_held), its own first: the rows past them
+        are its buffers' unused rows, read as holding no verified token and written as scratch.
+        A graphed target forwards a bucket of rows (models/target.py), so that rows leaving a
+        decode do not each record graphs for a batch size of their own."""
+        view = copy.copy(self)
+        view.k, view.v = (first_rows(buf, batch, self.static) for buf in self.buffers)
+        view.lengths = self.lengths + [0] * (batch - len(self.lengths))
         return view
 
     def keep_rows(self, rows: list[int]) -> None:

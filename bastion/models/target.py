@@ -111,19 +111,26 @@ class Target:
         dropped), the attended keys to a multiple of KEY_BUCKET. A graphed one runs prompts
         (tree_mask None) eagerly: a prompt's forward is compute-bound, its launches a sliver of
         it, and a graph per prompt shape would keep that shape's activations in the graphs' pool.
+        Its steps also pad the rows to a power of two (at most the rows its KV buffers hold; the
+        padding rows see only their own tokens): each batch size compiles and records graphs of its
+        own, for every N and key bucket, and a decode of 16 rows leaving one by one would compile
+        16 times as many, past dynamo's limit (models/dynamo.py), after which it runs eagerly.
         """
-        n, width = tokens.shape[1], self.padded(tokens.shape[1])
-        if width > n:
-            tokens, depths = (F.pad(x, (0, width - n)) for x in (tokens, depths))
+        (B, n), width = tokens.shape, self.padded(tokens.shape[1])
+        batch = min(token_bucket(B), cache.rows_held) if self.execution == "graphed" and tree_mask is not None else B
+        if width > n or batch > B:
+            tokens, depths = (F.pad(x, (0, width - n, 0, batch - B)) for x in (tokens, depths))
             if tree_mask is not None:
-                padded = torch.eye(width, dtype=torch.bool, device=tokens.device).repeat(len(tokens), 1, 1)
-                padded[:, :n, :n] = tree_mask
+                padded = torch.eye(width, dtype=torch.bool, device=tokens.device).repeat(batch, 1, 1)
+                padded[:B, :n, :n] = tree_mask
                 tree_mask = padded
+        if batch > B:
+            cache = cache.padded(batch)
         write_pos, layout = cache.prepare(width, tree_mask, key_bucket=1 if self.compiled is None else KEY_BUCKET)
         eager = self.compiled is None or (self.compiled.graphs and tree_mask is None)
         forward = self.model if eager else self.compiled
         hidden, features = forward(tokens, layout.prefix[:, None] + depths, layout, cache, write_pos, capture)
-        return hidden[:, :n], None if features is None else features[:, :n]
+        return hidden[:B, :n], None if features is None else features[:B, :n]
 
     def padded(self, n: int) -> int:
         """The tokens a forward of n runs: n, or its bucket when compiled."""
