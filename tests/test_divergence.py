@@ -74,11 +74,26 @@ def test_summary_tells_exact_from_tie_from_bug():
             for i in range(2)]
     tie = {"turn": 0, "position": 1, "ar_token": 2, "token": 9, "gap": 0.01, "tie_gap": 0.3}
     bug = {**tie, "gap": 4.0}
-    for method, second in [("exact", None), ("tie", tie), ("bug", bug)]:
+    for method, second in [("exact", None), ("tie", tie), ("bug", bug), ("unknown", None)]:
         rows += [{**base, "method": method, "prompt_id": "p0", "batch_id": "b0", "tokens": [1, 2, 3], "divergence": None},
-                 {**base, "method": method, "prompt_id": "p1", "batch_id": "b1", "tokens": [1, 2, 3] if second is None else [1, 9, 3],
-                  "divergence": second}]
+                 {**base, "method": method, "prompt_id": "p1", "batch_id": "b1",
+                  "tokens": [1, 2, 3] if method == "exact" else [1, 9, 3], "divergence": second}]
     summary = summarize(pd.DataFrame(rows)).set_index("method")
     assert summary.loc["exact", ["lossless", "lossless_ties"]].tolist() == [True, True]
     assert summary.loc["tie", ["lossless", "lossless_ties"]].tolist() == [False, True]
     assert summary.loc["bug", ["lossless", "lossless_ties"]].tolist() == [False, False]
+    # an output that differs with no divergence recorded (its AR record in another shard) is no tie
+    assert summary.loc["unknown", ["lossless", "lossless_ties"]].tolist() == [False, False]
+
+
+def test_ties_are_not_judged_above_temperature_0():
+    """At T > 0 the runner records no divergence (a tie of keyed sampling is not the logit gap's):
+    an output that differs from AR's leaves lossless_ties blank, not True."""
+    base = {"bench": "b", "turns": 1, "steps": 4, "new_tokens": 5, "prefill_s": 0.1, "batch_wall_s": 1.0,
+            "temperature": 0.7, "tree_mode": "ranked"}
+    rows = [{**base, "method": "ar", "prompt_id": "p0", "batch_id": "b0", "tokens": [1, 2, 3]},
+            {**base, "method": "same", "prompt_id": "p0", "batch_id": "b0", "tokens": [1, 2, 3]},
+            {**base, "method": "other", "prompt_id": "p0", "batch_id": "b0", "tokens": [1, 9, 3]}]
+    summary = summarize(pd.DataFrame(rows)).set_index("method")
+    assert summary.loc["same", ["lossless", "lossless_ties"]].tolist() == [True, True]
+    assert summary.loc["other", "lossless"] == False and summary.loc["other", "lossless_ties"] is None  # noqa: E712

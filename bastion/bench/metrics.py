@@ -88,8 +88,7 @@ def summarize(records: pd.DataFrame) -> pd.DataFrame:
                 ours = group.set_index("prompt_id").tokens
                 ref = baseline.set_index("prompt_id").tokens
                 row["lossless"] = all(ours[p] == ref[p] for p in shared)
-                found = group.divergence if "divergence" in group and row["temperature"] == 0 else pd.Series(dtype=object)
-                row["lossless_ties"] = row["lossless"] or all(is_tie(d if isinstance(d, dict) else None) for d in found)
+                row["lossless_ties"] = lossless_ties(group, [p for p in shared if ours[p] != ref[p]], row["temperature"])
         else:
             notes.append(f"speedup blank: {len(group) - len(shared)} of its {len(group)} prompts have no AR record, "
                          f"{len(baseline) - len(shared)} of AR's {len(baseline)} have none of its")
@@ -107,6 +106,19 @@ def reliability_notes(n_prompts: int, speedup_lo: float) -> list[str]:
     if n_prompts < MIN_PROMPTS:
         notes.append(f"only {n_prompts} prompt(s): too few for a reliable speedup (use {MIN_PROMPTS} or more)")
     return notes
+
+
+def lossless_ties(records: pd.DataFrame, differing: list, temperature: float) -> bool | None:
+    """Whether every output that differs from AR's (the prompt ids `differing`) first left it at a
+    near-tie (divergence.py): known at temperature 0 only, where the runner records each first
+    divergence (None above it); an output that differs with no divergence recorded (its AR
+    record in another process's shard) is not counted a tie."""
+    if not differing:
+        return True
+    if temperature != 0 or "divergence" not in records:
+        return None
+    found = records.set_index("prompt_id").divergence
+    return all(isinstance(found[p], dict) and is_tie(found[p]) for p in differing)
 
 
 def token_equal(records: pd.DataFrame) -> bool:
