@@ -171,6 +171,16 @@ def test_warm_up_decodes_the_first_batch_at_the_runs_batch_size(tiny_qwen3, tmp_
         assert [len(call) for call in method.calls] == [4, 1, 4, 1]  # warm-ups, then the batches
 
 
+def test_a_run_resumed_by_another_number_of_processes_repeats_nothing(tiny_qwen3, tmp_path):
+    """Records another process's shard holds (a torchrun run finished by a plain one) are done:
+    decoded again, they would stand twice in the run and the summary would refuse it."""
+    prompts = load_prompts("gsm8k", limit=3)
+    run_methods(tiny_qwen3, [Recording("ar")], prompts, "gsm8k", tmp_path, 4, warmup=False, shard=".rank0")
+    again = Recording("ar")
+    run_methods(tiny_qwen3, [again], prompts, "gsm8k", tmp_path, 4, warmup=False)
+    assert again.calls == [] and read_records(tmp_path / "results.jsonl") == []
+
+
 def test_a_shard_without_prompts_writes_nothing(tiny_qwen3, tmp_path):
     """torchrun ranks beyond the prompts (bench.limit=4 on 8 GPUs) get none: no warm-up, no record."""
     method = Recording("ar")

@@ -26,7 +26,7 @@ from bastion.bench.datasets import Prompt, chat_tokens
 from bastion.bench.divergence import divergence
 from bastion.bench.metrics import BASELINE, summarize
 from bastion.bench.provenance import summary_fields, write_summary
-from bastion.bench.records import drop_cut_line, read_records, run_records
+from bastion.bench.records import drop_cut_line, run_records
 from bastion.bench.rundir import fingerprint
 from bastion.compose import Method
 from bastion.models.target import Target
@@ -55,7 +55,8 @@ def run_methods(
     out_dir.mkdir(parents=True, exist_ok=True)
     results = out_dir / f"results{shard}.jsonl"
     current = {(m.name, fingerprint(m.settings)) for m in methods}
-    kept = [r for r in read_records(results) if (r["method"], r.get("fingerprint")) in current]
+    kept = [r for r in run_records(out_dir) if (r["method"], r.get("fingerprint")) in current]  # every shard's: a run
+    # resumed by another number of processes (torchrun's, or a plain one) repeats none, nor holds a record twice
     done = {(r["method"], r["bench"], r["prompt_id"], r["prompt_hash"]) for r in kept}
     ar = {r["prompt_id"]: r for r in kept if r["method"] == BASELINE and r["bench"] == bench}  # AR's records, to compare with
     if warmup and prompts:  # the first batch at the run's batch size: a batch-1 warm-up leaves larger batches' shapes cold
