@@ -278,7 +278,8 @@ def _scores(m: _Method, batch: _Batch, hidden: torch.Tensor, depths: torch.Tenso
     if not m.sampling.keyed:
         return hidden
     start = to_device([len(batch.decoding.generations[i].tokens) for i in batch.active], hidden.device)  # [B] output position after each root
-    noise = m.sampling.noise(m.seed, m.keys[batch.active], start, depth + 1, m.target.args.vocab_size)  # [B, depth + 1, V]
+    keys = m.keys[to_device(batch.active, m.keys.device, torch.long)]  # indexed by a host list, a GPU would wait for a blocking copy
+    noise = m.sampling.noise(m.seed, keys, start, depth + 1, m.target.args.vocab_size)  # [B, depth + 1, V]
 
     def keyed(logits: torch.Tensor, nodes: slice) -> torch.Tensor:
         return m.sampling.scores(logits, noise, depths[:, nodes])
@@ -378,5 +379,5 @@ def _keep_rows(keep: list[int], active: list[int], cache, drafter, ctx: DraftCon
     ctx.sequences = [ctx.sequences[r] for r in keep]
     ctx.n_features = [ctx.n_features[r] for r in keep]
     if ctx.features is not None:
-        ctx.features = ctx.features[keep]
+        ctx.features = ctx.features[to_device(keep, ctx.features.device, torch.long)]  # (an empty list: no rows)
     return [active[r] for r in keep]

@@ -16,6 +16,7 @@ children holds the sample with probability p(set) either way).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 
@@ -113,6 +114,12 @@ def _hash32(x: torch.Tensor) -> torch.Tensor:
     return x ^ _shr(x, 16)
 
 
+@cache
+def _seed_word(seed: int) -> int:
+    """The seed hashed to a 32-bit word, a host int (nothing to copy to a device), once per seed."""
+    return int(_hash32(_hash32(torch.tensor(_word(seed), dtype=torch.int32)) ^ _word(seed >> 32)))
+
+
 def gumbel(seed: int, keys: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
     """Standard Gumbel noise [B, M, V] (float64) that depends only on (seed, keys[b],
     positions[b, m], token): a counter-based generator, so any tree visiting a position draws
@@ -120,8 +127,7 @@ def gumbel(seed: int, keys: torch.Tensor, positions: torch.Tensor, vocab: int) -
     at a time (NOISE_CELLS): the many passes over a block that outgrows the caches cost far more
     (experiments/NOTES.md)."""
     keys, positions = ((t.to(torch.int64) & _MASK32).to(torch.int32) for t in (keys, positions))
-    seed_word = int(_hash32(_hash32(torch.tensor(_word(seed), dtype=torch.int32)) ^ _word(seed >> 32)))  # a host int: nothing to copy
-    row = _hash32(_hash32(keys) ^ seed_word)  # [B]; seed and key hashed apart, so (seed, key) pairs never swap
+    row = _hash32(_hash32(keys) ^ _seed_word(seed))  # [B]; seed and key hashed apart, so (seed, key) pairs never swap
     cell = _hash32(row[:, None] ^ _hash32(positions))  # [B, M]
     salt = _hash32(cell ^ _word(0x5BD1E995))  # a second, independent word per cell
     token = torch.arange(vocab, device=positions.device, dtype=torch.int32)

@@ -26,7 +26,8 @@ class DeviceReads(TorchFunctionMode):
     """Counts reads of tensor values by the host (what is a device-to-host transfer on a GPU);
     reading a tensor that such a read already brought over (`.cpu().numpy()`) is not another.
     Also counts blocking sends, which on a GPU wait for every queued kernel: values copied by
-    `torch.tensor(..., device=...)`, or moved by `.to(device)` without non_blocking."""
+    `torch.tensor(..., device=...)`, moved by `.to(device)` without non_blocking, or indexing a
+    tensor by a Python list (copied to the device as a blocking send)."""
 
     def __init__(self):
         super().__init__()
@@ -42,7 +43,13 @@ class DeviceReads(TorchFunctionMode):
         device = kwargs.get("device", next((a for a in args[1:] if isinstance(a, (str, torch.device))), None))
         if (func is torch.tensor and "device" in kwargs) or (func is torch.Tensor.to and device is not None and not kwargs.get("non_blocking")):
             self.blocking_sends += 1
+        if func in (torch.Tensor.__getitem__, torch.Tensor.__setitem__) and has_list(args[1]):
+            self.blocking_sends += 1
         return out
+
+
+def has_list(index) -> bool:
+    return isinstance(index, list) or (isinstance(index, tuple) and any(isinstance(i, list) for i in index))
 
 
 def step_reads(target, monkeypatch, **decode) -> tuple[list[int], list[int]]:
@@ -75,4 +82,12 @@ def test_a_sampled_step_reads_the_device_at_most_three_times(tiny_qwen3, monkeyp
     and the paths of a rejection sampling that runs on the device."""
     counts, sends = step_reads(tiny_qwen3, monkeypatch, policy=best_first, sampling=Sampling(1.0, tree_mode="sampled"))
     assert counts and max(counts) <= 3, counts
+    assert not any(sends), sends
+
+
+def test_a_keyed_sampled_step_reads_the_device_at_most_twice(tiny_qwen3, monkeypatch):
+    """T > 0 with ranked children (keyed sampling, the default): as greedy, and the rows' keys
+    reach their noise without a blocking send."""
+    counts, sends = step_reads(tiny_qwen3, monkeypatch, policy=best_first, sampling=Sampling(1.0))
+    assert counts and max(counts) <= 2, counts
     assert not any(sends), sends

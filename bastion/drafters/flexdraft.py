@@ -160,7 +160,8 @@ class FlexDraftDrafter(nn.Module, DraftVocabulary, Drafter):
         if self._lengths is not None:
             self._lengths = [self._lengths[r] for r in rows]
         if self._race is not None:
-            self._race = tuple(drafts[rows] for drafts in self._race)
+            index = to_device(rows, self._race[0].device, torch.long)  # a host list as an index: a blocking copy on a GPU
+            self._race = tuple(drafts[index] for drafts in self._race)
 
     def absorb(self, ctx: DraftContext) -> None:
         """An AR step (the budget's choice): groups drafted for this step are stale by the next."""
