@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from bastion.bench.datasets import Prompt, chat_tokens
-from bastion.bench.divergence import divergence, first_difference, is_tie, tie_gap
+from bastion.bench.divergence import divergence, first_difference, gap_after, is_tie, tie_gap
 from bastion.bench.metrics import summarize
 from bastion.engine import generate
-from bastion.models.target import load_target
+from bastion.models.target import compile_forward, load_target
 from tests.conftest import target_config
 
 
@@ -97,3 +97,15 @@ def test_ties_are_not_judged_above_temperature_0():
     summary = summarize(pd.DataFrame(rows)).set_index("method")
     assert summary.loc["same", ["lossless", "lossless_ties"]].tolist() == [True, True]
     assert summary.loc["other", "lossless"] == False and summary.loc["other", "lossless_ties"] is None  # noqa: E712
+
+
+def test_a_divergence_on_a_graphed_target_leaves_its_kv_buffers_alone(tiny_qwen3):
+    """The gap is scored eagerly: a graphed target's cache for a long context would grow the KV
+    buffers its CUDA graphs replay over, and every graph would record again in timed steps."""
+    graphed = compile_forward(tiny_qwen3, graphs=True)
+    graphed.new_cache(1, 8)
+    buffers = graphed.compiled.buffers
+    found = gap_after(graphed, list(range(5, 2000)), 7, 8)
+    assert graphed.compiled.buffers is buffers
+    logits = tiny_qwen3.score(list(range(5, 2000)))[-1]
+    assert found["gap"] == pytest.approx(float(logits[7] - logits[8]))

@@ -11,6 +11,8 @@ the logit gap between them under AR's context, and the gap a tie allows), and th
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from bastion.bench.datasets import Prompt, chat_tokens
@@ -55,7 +57,8 @@ def divergence(target, prompt: Prompt, ar: dict, record: dict) -> dict | None:
 def gap_after(target, context: list[int], theirs: int | None, ours: int | None) -> dict:
     """AR's token and ours (None: that output ended) after the tokens `context`, the target's
     logit gap between them there, and the gap a tie allows."""
-    logits = target.score(context)[-1].float()
+    eager = replace(target, compiled=None)  # a graphed target's cache would grow the KV buffers its graphs replay over
+    logits = eager.score(context, slice(-1, None))[0].float()
     gap = float(logits[theirs] - logits[ours]) if None not in (theirs, ours) else float("inf")
     return {"ar_token": theirs, "token": ours, "gap": gap, "tie_gap": tie_gap(target.dtype, float(logits.max()))}
 

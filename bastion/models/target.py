@@ -137,14 +137,15 @@ class Target:
         return n if self.compiled is None else token_bucket(n)
 
     @torch.inference_mode()
-    def score(self, sequence: list[int]) -> torch.Tensor:
-        """Logits [N, V] at every position of one sequence, from a fresh cache: the reference
-        that every cached, tree-shaped or batched forward must reproduce."""
+    def score(self, sequence: list[int], positions: slice = slice(None)) -> torch.Tensor:
+        """Logits [N, V] at every position of one sequence (or at `positions` of them: a long
+        sequence's float32 logits take GBs), from a fresh cache: the reference that every
+        cached, tree-shaped or batched forward must reproduce."""
         n = len(sequence)
         cache = self.new_cache(1, self.padded(n))
         depths = torch.arange(n, device=self.device)[None]
         hidden, _ = self.forward(torch.tensor([sequence], device=self.device), depths, None, cache)
-        return self.logits(hidden[0])
+        return self.logits(hidden[0, positions])
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
