@@ -62,6 +62,7 @@ class DFlashDrafter(nn.Module, DraftVocabulary, Drafter):
         weight = self.fc.weight
         # past the context: the block's slots, and past them a shorter row's padding (propose), at most a block of it
         slots = capacity + 2 * self.block_size
+        self.cache = None  # the last decode's freed before the next one's is made
         self.cache = KVCache(a.n_layers, batch_size, a.n_kv_heads, a.head_dim, slots, weight.dtype, weight.device)
 
     def keep_rows(self, rows: list[int]) -> None:

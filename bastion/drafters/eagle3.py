@@ -96,6 +96,7 @@ class Eagle3Drafter(nn.Module, Drafter):
     def reset(self, batch_size: int, capacity: int) -> None:
         a, weight = self.args, self.fc.weight
         # the tree's steps write top_k entries each past the verified length
+        self.cache = None  # the last decode's freed before the next one's is made
         self.cache = KVCache(1, batch_size, a.n_kv_heads, a.head_dim, capacity + self.top_k * self.depth, weight.dtype, weight.device)
 
     def keep_rows(self, rows: list[int]) -> None:
