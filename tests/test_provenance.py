@@ -33,6 +33,7 @@ def test_metadata_names_the_cpu_profile_dtype_versions_and_commit(monkeypatch):
     machine = run_metadata(composed("device=cpu", "gpu=cpu", "target=smollm2_135m"))
     assert machine["omp_wait_policy"] == "PASSIVE"
     assert machine["device"] and machine["device"] != "cpu"  # the CPU's model name, not the torch device
+    assert machine["host"] == machine["device"] and machine["world_size"] == 1 and machine["cuda"] == torch.version.cuda
     assert machine["amx"] in (True, False)
     assert (machine["profile"], machine["dtype"]) == ("cpu", "float32")
     assert machine["threads"] == torch.get_num_threads() and machine["load"] >= 0

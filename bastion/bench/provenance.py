@@ -40,13 +40,16 @@ def run_metadata(cfg: DictConfig) -> dict:
 
     return {
         "device": device_name(cfg.device),
+        "host": device_name("cpu"),  # on a GPU too: an eager step's launches are the host's work
         "amx": has_amx(cfg.device),
         "profile": cfg.gpu.name,
         "dtype": cfg.target.dtype,
         "threads": torch.get_num_threads(),
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),  # how idle OpenMP threads wait: what other tenants cost
         "load": os.getloadavg()[0],  # 1-minute load average as the run starts: above the core count, timings are noisy
+        "world_size": int(os.environ.get("WORLD_SIZE", 1)),  # torchrun's processes (each its own GPU)
         "torch": torch.__version__,
+        "cuda": torch.version.cuda,  # the CUDA runtime torch was built with (None: a CPU build)
         "transformers": version("transformers"),
         "commit": git_commit(CHECKOUT),
     }
