@@ -4,10 +4,12 @@ loadable drafter; the target writes its own chat requests (SmolLM2)."""
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -30,12 +32,12 @@ from bastion.train.data import (
     source_counts,
     user_turn_prefix,
 )
-from bastion.train.dflash import feature_std, soft_cross_entropy, train_dflash, with_feature_noise
+from bastion.train.dflash import block_loss, feature_std, sample_batch, soft_cross_entropy, train_dflash, with_feature_noise
 from bastion.train.cli import new_eagle3_drafter, with_draft_vocab
 from bastion.train.examples import sample_anchors, split_examples, to_examples
 from bastion.train.eagle3 import train_eagle3
 from bastion.train.flexdraft import group_loss, train_flexdraft
-from bastion.train.loop import train_loop
+from bastion.train.loop import on_device, train_loop
 from tests.conftest import ROOT, target_config
 
 
@@ -186,6 +188,37 @@ def test_training_learns_and_resumes(tiny, data, kind, autocast, tmp_path):
     assert [r["step"] for r in log] == [10, 20, 30, 40]
     with pytest.raises(ValueError, match="training run on other data or settings"):
         train(drafter, examples, state, steps=50, run_key={"data": "other"}, val_examples=val_examples, **kw)
+
+
+def on_meta(drafter):
+    """A copy of `drafter` and of its target on the meta device, which stands in for a GPU: an op
+    mixing it with a host tensor raises as CUDA's do."""
+    target = replace(drafter.target, model=copy.deepcopy(drafter.target.model).to("meta"))
+    target.model.rotary.inv_freq = target.model.rotary.inv_freq.to("meta")
+    drafter = copy.deepcopy(drafter).to("meta")
+    drafter.target = target
+    return drafter
+
+
+@pytest.mark.parametrize("kind", ["dflash", "flexdraft"])
+def test_a_training_loss_runs_where_its_drafter_is(tiny, data, kind):
+    """train_loop builds batches on the host and moves them to the drafter's device (on_device);
+    each loss makes its own tensors there too, so `train.py` runs on a GPU (a host tensor in a
+    loss stopped its first step). EAGLE-3's loss reads its batch's answer starts on the host,
+    which the meta device cannot."""
+    examples, gen = to_examples(data[1]), torch.Generator().manual_seed(0)
+    if kind == "dflash":
+        drafter = DFlashDrafter(new_dflash_config(tiny, 1, 4, [0, 1], 16), tiny)
+        loss = partial(block_loss, gamma=2.0, soft_labels=0.5)
+        batch = sample_batch(examples, 2, 4, gen, soft_labels=True)
+    else:
+        drafter = with_draft_vocab(FlexDraftDrafter(tiny, tuned_layers=1, group_size=4, calibration_hidden=16, mask_token_id=16,
+                                                    draft_vocab_size=400), examples, 400)
+        loss, batch = partial(group_loss, gamma=4.0), sample_anchors(examples, 2, 4, gen)
+    to_draft = drafter.to_draft_ids()  # made before the move: a meta tensor has no values to map
+    to_draft = None if to_draft is None else to_draft.to("meta")
+    value, hits, counts = loss(on_meta(drafter), on_device(batch, "meta"), to_draft=to_draft)
+    assert value.device.type == hits.device.type == counts.device.type == "meta"
 
 
 def test_a_frozen_mask_embedding_trains_the_same_without_a_graph_below_the_tuned_layers(tiny, data):

@@ -123,8 +123,11 @@ class DraftVocabulary:
         return full.index_copy_(-1, self.draft_vocab, logits)
 
     def to_draft_ids(self) -> torch.Tensor | None:
-        """[V] target id -> draft id (-1 outside the draft vocabulary), on the host; None without one."""
-        return None if self.draft_vocab is None else draft_ids(self.draft_vocab, self.target.args.vocab_size)
+        """[V] target id -> draft id (-1 outside the draft vocabulary), on the draft vocabulary's
+        device (what training's labels are mapped on); None without one."""
+        if self.draft_vocab is None:
+            return None
+        return draft_ids(self.draft_vocab, self.target.args.vocab_size).to(self.draft_vocab.device)
 
 
 def draft_ids(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -69,7 +69,7 @@ def block_loss(drafter: DFlashDrafter, batch, gamma: float, to_draft: torch.Tens
         index = label_pos.flatten(1)[:, :, None].expand(-1, -1, soft[0].shape[-1])  # [B, M*(K-1), k]
         soft_ce = soft_cross_entropy(logits, soft[0].gather(1, index).flatten(0, 1), soft[1].gather(1, index).flatten(0, 1), to_draft)
         ce = (1 - soft_labels) * ce + soft_labels * soft_ce.view_as(labels)
-    weights = scored * torch.exp(-torch.arange(K - 1) / gamma)
+    weights = scored * torch.exp(-torch.arange(K - 1, device=ce.device) / gamma)
     loss = (ce * weights).sum() / weights.sum().clamp_min(1e-9)  # 0 / 0 where no label is in the draft vocabulary
     hits = ((logits.argmax(-1).view_as(labels) == labels) & scored).flatten(0, 1).sum(0)  # [K-1]
     return loss, hits, valid.flatten(0, 1).sum(0)
@@ -91,10 +91,12 @@ def soft_cross_entropy(logits: torch.Tensor, top_ids: torch.Tensor, top_logprobs
 def chain_aal(drafter: DFlashDrafter, examples: list[Example]) -> float:
     """Chain decoding's acceptance length at temperature 0 on these sequences, without decoding
     (train/examples.py walk_chains): one training forward scores a block at every answer token."""
+    device = drafter.fc.weight.device
+
     def drafts(e: Example) -> list[torch.Tensor]:
-        anchors = torch.arange(e.answer_start, len(e.tokens) - 1)[None]  # [1, M]
-        features = F.pad(e.features.float(), (0, 0, 0, 1))[None]  # [1, n, F]: the last token's are never seen
-        hidden = drafter.block_hidden(features, e.tokens[None], anchors)[0, :, 1:]  # [M, K-1, h]
+        anchors = torch.arange(e.answer_start, len(e.tokens) - 1, device=device)[None]  # [1, M]
+        features = F.pad(e.features.to(device).float(), (0, 0, 0, 1))[None]  # [1, n, F]: the last token's are never seen
+        hidden = drafter.block_hidden(features, e.tokens.to(device)[None], anchors)[0, :, 1:]  # [M, K-1, h]
         return [drafter.logits(hidden).argmax(-1)]
 
     return walk_chains(examples, drafts)[0] or 0.0

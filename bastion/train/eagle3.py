@@ -38,17 +38,18 @@ def ttt_loss(drafter: Eagle3Drafter, batch, steps: int, decay: float, to_draft: 
     first = max(0, int(starts.min()) - 2)  # the first chain whose first draft is an answer token
     outputs = drafter.unrolled(features, tokens, steps, first)
     P = P - first
-    label_pos = first + torch.arange(P)[None, :, None] + 2 + torch.arange(steps)  # [1, P, steps]
+    device = tokens.device
+    label_pos = first + torch.arange(P, device=device)[None, :, None] + 2 + torch.arange(steps, device=device)  # [1, P, steps]
     valid = (label_pos >= starts[:, None, None]) & (label_pos < lengths[:, None, None])  # [B, P, steps]: answer tokens only
     labels = to_draft[tokens.gather(1, label_pos.clamp(max=tokens.shape[1] - 1).expand(B, -1, -1).flatten(1)).view(B, P, steps)]
     scored = valid & (labels >= 0)
     hidden = torch.stack(outputs, 2)[scored]  # [n, h]: only what carries loss goes through the head
     logprobs = drafter.draft_logprobs(hidden)
     ce = F.nll_loss(logprobs, labels[scored], reduction="none")
-    weights = (decay ** torch.arange(steps, dtype=logprobs.dtype)).expand(B, P, steps)[scored]
+    weights = (decay ** torch.arange(steps, dtype=logprobs.dtype, device=device)).expand(B, P, steps)[scored]
     loss = (ce * weights).sum() / weights.sum().clamp_min(1e-9)
-    step_of = torch.arange(steps).expand(B, P, steps)[scored]
-    hits = torch.zeros(steps, dtype=torch.long).index_add_(0, step_of, (logprobs.argmax(-1) == labels[scored]).long())
+    step_of = torch.arange(steps, device=device).expand(B, P, steps)[scored]
+    hits = torch.zeros(steps, dtype=torch.long, device=device).index_add_(0, step_of, (logprobs.argmax(-1) == labels[scored]).long())
     return loss, hits, valid.flatten(0, 1).sum(0)
 
 
@@ -57,7 +58,7 @@ def train_eagle3(drafter: Eagle3Drafter, examples: list[Example], state_path: Pa
                  val_examples: list[Example] = (), **loop) -> list[dict]:
     """Optimise the drafter's own weights; `columns` picks its three layers' features out of the
     recorded ones."""
-    to_draft = draft_ids(torch.arange(len(drafter.d2t)) + drafter.d2t.cpu(), drafter.target.args.vocab_size)  # built once
+    to_draft = draft_ids(torch.arange(len(drafter.d2t)) + drafter.d2t.cpu(), drafter.target.args.vocab_size).to(drafter.d2t.device)  # built once
     return train_loop(
         drafter, [{"params": [p for p in drafter.parameters() if p.requires_grad], "lr": lr}],
         lambda gen: sample_sequences(examples, seqs_per_step, columns, gen),

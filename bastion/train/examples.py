@@ -79,7 +79,7 @@ def block_labels(tokens: torch.Tensor, anchors: torch.Tensor, anchor_ok: torch.T
     ids, or draft ids where `to_draft` maps target ids into a draft vocabulary; a token outside
     it is returned as 0 and left out of `scored`), `valid` [B, M, n] (a real anchor, a position inside the sequence:
     what counts towards accuracy) and `scored` (valid and draftable: what carries loss)."""
-    label_pos = anchors[:, :, None] + torch.arange(1, n + 1)  # [B, M, n]
+    label_pos = anchors[:, :, None] + torch.arange(1, n + 1, device=anchors.device)  # [B, M, n]
     valid = anchor_ok[:, :, None] & (label_pos < lengths[:, None, None])
     label_pos = label_pos.clamp(max=tokens.shape[1] - 1)
     labels = tokens.gather(1, label_pos.flatten(1)).view_as(label_pos)
@@ -119,7 +119,7 @@ def walk_chains(examples: list[Example], drafts) -> list[float | None]:
         walked = walked or [[0, 0] for _ in blocks]
         for counts, block in zip(walked, blocks):
             if block is not None:
-                steps, produced = chain_walk(block, e.tokens, e.answer_start)
+                steps, produced = chain_walk(block.cpu(), e.tokens, e.answer_start)
                 counts[0], counts[1] = counts[0] + steps, counts[1] + produced
     return [produced / steps if steps else None for steps, produced in walked or []]
 

@@ -38,7 +38,7 @@ def group_hidden(drafter: FlexDraftDrafter, tokens: torch.Tensor, anchors: torch
         write_pos, layout = cache.prepare(S)
         target.model(tokens, write_pos, layout, cache, write_pos)
     attn_mask = Groups(anchors, G, S, clean_first=drafter.bonus == "clean")
-    positions = (anchors[:, :, None] + torch.arange(G)).view(B, M * G)
+    positions = (anchors[:, :, None] + torch.arange(G, device=anchors.device)).view(B, M * G)
     x, is_mask = drafter.group_inputs(tokens.gather(1, anchors))  # [B, M, G, h]: the bonus is the anchor's token
     x, is_mask = x.flatten(1, 2), None if is_mask is None else is_mask.flatten(1, 2)
 
@@ -65,7 +65,7 @@ def group_loss(drafter: FlexDraftDrafter, batch, gamma: float, to_draft: torch.T
     calibrated = base + drafter.calibration(drafter.calibration_input(hidden, tokens.gather(1, anchors))).flatten(0, 2).float()
     _, labels, valid, scored = block_labels(tokens, anchors, anchor_ok, lengths, G - 1, to_draft)  # [B, M, G-1]
     labels = labels.flatten()
-    weights = (scored * torch.exp(-torch.arange(G - 1) / gamma)).flatten()
+    weights = (scored * torch.exp(-torch.arange(G - 1, device=scored.device) / gamma)).flatten()
     loss = sum((F.cross_entropy(l, labels, reduction="none") * weights).sum() for l in (base, calibrated)) / weights.sum().clamp_min(1e-9)
     hits = ((calibrated.argmax(-1) == labels).view_as(valid) & scored).flatten(0, 1).sum(0)
     return loss, hits, valid.flatten(0, 1).sum(0)
@@ -78,8 +78,9 @@ def chain_aal(drafter: FlexDraftDrafter, examples: list[Example]) -> dict[str, f
     calibration MLP's drafts (val_chain_aal) and without it (val_chain_aal_plain, the ablation)."""
     def drafts(e: Example) -> list[torch.Tensor | None]:
         n, start = len(e.tokens), e.answer_start
-        hidden = group_hidden(drafter, e.tokens[None], torch.arange(start, n - 1)[None])[0]  # [M, G, h]
-        plain, calibrated = drafter.draft_logits(hidden, e.tokens[start : n - 1])  # [M, G-1, V] each; calibrated None when off
+        tokens = e.tokens.to(drafter.target.device)
+        hidden = group_hidden(drafter, tokens[None], torch.arange(start, n - 1, device=tokens.device)[None])[0]  # [M, G, h]
+        plain, calibrated = drafter.draft_logits(hidden, tokens[start : n - 1])  # [M, G-1, V] each; calibrated None when off
         return [None if calibrated is None else calibrated.argmax(-1), plain.argmax(-1)]
 
     walked = zip(("val_chain_aal", "val_chain_aal_plain"), walk_chains(examples, drafts))

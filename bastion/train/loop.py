@@ -61,6 +61,7 @@ def train_loop(
         group["peak"] = group["lr"]
     optimizer = torch.optim.AdamW(param_groups, betas=(0.9, 0.95), weight_decay=weight_decay, fused=True)  # fused: one kernel for all parameters
     params = [p for g in param_groups for p in g["params"]]
+    device = params[0].device  # batches are built on the host (train/examples.py) and moved here
     gen = torch.Generator().manual_seed(seed)
     mixed = torch.autocast(params[0].device.type, torch.bfloat16, enabled=autocast)
     start, log = 0, []
@@ -80,7 +81,7 @@ def train_loop(
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, steps, group["peak"], warmup)
         with mixed:
-            loss, step_hits, step_counts = loss_fn(batch_fn(gen))
+            loss, step_hits, step_counts = loss_fn(on_device(batch_fn(gen), device))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, grad_clip)
@@ -94,7 +95,7 @@ def train_loop(
             if val_batches and ((step + 1) % val_every == 0 or step + 1 == steps):
                 module.eval()
                 with mixed:
-                    log[-1].update(evaluate(loss_fn, val_batches), **(val_metrics() if val_metrics else {}))
+                    log[-1].update(evaluate(loss_fn, [on_device(b, device) for b in val_batches]), **(val_metrics() if val_metrics else {}))
                 module.train()
             bar.set_postfix(loss=f"{log[-1]['loss']:.3f}", acc1=f"{acc[0]:.3f}", acc4=f"{acc[min(3, len(acc) - 1)]:.3f}")
             if on_log:
@@ -106,6 +107,15 @@ def train_loop(
                                     "generator": gen.get_state(), "step": step + 1, "log": log, "key": run_key})
     module.eval()
     return log
+
+
+def on_device(batch, device: torch.device):
+    """A batch (tensors, in tuples and lists, beside anything else) with its tensors on `device`."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(on_device(part, device) for part in batch)
+    return batch
 
 
 @torch.no_grad()
