@@ -152,7 +152,7 @@ class FlexDraftDrafter(nn.Module, DraftVocabulary, Drafter):
 
     # ---- decoding -------------------------------------------------------------------------------
     def reset(self, batch_size: int, capacity: int) -> None:
-        self._pending, self._lengths, self._race = {}, None, None
+        self._pending, self._lengths, self._race, self._groups = {}, None, None, None
         self.mlp_wins = [0, 1]
 
     def keep_rows(self, rows: list[int]) -> None:
@@ -278,7 +278,7 @@ class FlexDraftDrafter(nn.Module, DraftVocabulary, Drafter):
         """After parallel verification: keep the group drafted after each row's last accepted node."""
         if self._groups is None:
             return
-        keep, groups = self._groups
+        (keep, groups), self._groups = self._groups, None  # read once: the forward's hidden states are freed after
         self._pending = {b: groups[b, keep[b].index(path[-1])] for b, path in enumerate(paths) if path[-1] in keep[b]}
 
     def selected_nodes(self, tree: DraftTree) -> list[int]:
