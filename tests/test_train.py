@@ -332,7 +332,7 @@ def test_train_py_end_to_end(tmp_path):
     assert times["training_minutes"] == pytest.approx(3 * log[-1]["s_per_step"] / 60, abs=0.005)  # one record of 3 steps
     (used,) = times["machines"]  # its thread count is the subprocess's own (test workers may run on fewer)
     assert used.startswith(machine("cpu").rsplit(", ", 1)[0] + ", ") and used.endswith(" threads")
-    assert "time to make it: data" in result.stdout
+    assert "time to make it: data" in result.stdout and 'held out at step 3: {"val_loss": ' in result.stdout
     float32_data = subprocess.run([sys.executable, "train.py", *args[:-2], "data.bfloat16=false"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert "holds self-distillation data made with other settings" in float32_data.stderr
     tiny = load_target(**target_config("tiny_qwen3"))

@@ -6,7 +6,6 @@ import json
 import logging
 import subprocess
 import time
-from functools import partial
 from pathlib import Path
 
 import torch
@@ -53,7 +52,12 @@ def train(cfg: DictConfig) -> None:
     out = output_dir(cfg)
     # logger=wandb only; its files go beside the resumable training state
     wandb_run = wandb_logger.start(OmegaConf.to_container(cfg, resolve=True), Path(cfg.recipe.work_dir))
-    on_log = partial(wandb_logger.log_train_record, wandb_run)
+
+    def on_log(record: dict) -> None:  # held-out measures on the console and in train.log as they come, not at the end only
+        if "val_loss" in record:
+            logger.info("held out at step %d: %s", record["step"], json.dumps({k: v for k, v in record.items() if k.startswith("val_")}))
+        wandb_logger.log_train_record(wandb_run, record)
+
     started = time.time()
     target = build_target(cfg)  # packed on CPU (training runs plain kernels)
     target.model.requires_grad_(False)
