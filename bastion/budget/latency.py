@@ -320,14 +320,16 @@ def probe_problem(sizes, times: list[list[float]], spread: float = 2.0, drop: fl
 
 def calibrated(target, hw: HardwareProfile, cache_dir: Path) -> LatencyModel:
     """The probe-fitted model, cached per machine (GPU or CPU model, and the CPU threads torch
-    uses or, on a GPU, the host's CPU, whose launches an eager step waits on), torch's version, hardware profile (its prior shapes the fit), model, dtype, linear kernels, attention
+    uses or, on a GPU, the host's CPU, whose launches an eager step waits on), torch's version,
+    hardware profile (its prior shapes the fit), model, dtype, linear kernels, attention
     path (models/attention.py attention_path), how the forward runs (eager, compiled or as CUDA
     graphs: Target.execution), and what a probe times after the forward (the argmax a greedy
     verification takes): a fit made elsewhere is never reused."""
     model = LatencyModel.from_profile(target.args, target.dtype, hw)
     host = f"-on-{device_name('cpu')}" if target.device.type == "cuda" else f"-{torch.get_num_threads()}threads"
     kernels = (linear_kernels(target.model), attention_path(target.attention, target.device, target.dtype), target.execution, "argmax")
-    parts = (device_name(str(target.device)) + host, f"torch{torch.__version__}", hw.name, target.name, str(target.dtype).removeprefix("torch."), *kernels)
+    parts = (device_name(str(target.device)) + host, f"torch{torch.__version__}", hw.name, target.name,
+             str(target.dtype).removeprefix("torch."), *kernels)
     path = Path(cache_dir) / "latency" / f"{re.sub(r'[^A-Za-z0-9._-]+', '_', '__'.join(parts))}.json"
     if not read_calibration(path, model):
         started = time.perf_counter()

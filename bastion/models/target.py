@@ -262,8 +262,9 @@ def load_target(
         tok = AutoTokenizer.from_pretrained(resolve_source(tokenizer, cache_dir) if tokenizer else path)
         file = path / "generation_config.json"
         generation = read_json(file, "restore it from the model's source") if file.exists() else {}
-    model.rotary.inv_freq = model.rotary.inv_freq.to(device)  # a plain attribute, which model.to(device) leaves behind:
-    # moved before a compiled forward's first call, whose graph would otherwise hold a host tensor (no CUDA graph)
+    # the rotary frequencies are a plain attribute, which model.to(device) leaves on the host: moved before a
+    # compiled forward's first call, whose graph would otherwise hold a host tensor (and get no CUDA graph)
+    model.rotary.inv_freq = model.rotary.inv_freq.to(device)
     return Target(model.eval(), tok, name, config, frozenset(_eos_ids(config, generation, tok)), dict(chat_template_args or {}),
                   choose_kernel(attention, device))
 
