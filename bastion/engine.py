@@ -20,7 +20,7 @@ from bastion.models.timer import Clock, now
 from bastion.models.transfer import to_device
 from bastion.recorder import Recorder
 from bastion.sampling import GREEDY, Sampling
-from bastion.tree.draft_tree import DraftTree, pack
+from bastion.tree.draft_tree import DraftTree, Packed, pack
 from bastion.verify import sample_children, verify_greedy, verify_sampled
 
 NOTHING = Recorder()  # generate records nothing beside its tokens by default
@@ -222,7 +222,8 @@ def _step(m: _Method, batch: _Batch) -> Step:
         trees, draft_probs = [DraftTree.root_only(seq[-1]) for seq in ctx.sequences], None
     else:
         trees, draft_probs = _draft_trees(m, proposal, contexts)
-    tokens, depths, tree_mask, parents, depth = pack(trees, device)  # depth: the deepest node's
+    packed = pack(trees, device)
+    tokens, depths, tree_mask = packed.tokens, packed.depths, packed.mask
     if proposal is not None:  # whether FlexDraft drafts inside the verification forward: host work, not the forward's
         parallel = m.budget.parallel(tokens.shape[1], lambda: m.drafter.parallel_tokens(trees), contexts)
     t2 = clock.mark()
@@ -231,9 +232,9 @@ def _step(m: _Method, batch: _Batch) -> Step:
         width = 1
     else:  # the drafter's verification forward
         hidden, features, width = m.drafter.verify_forward(m.target, cache, trees, tokens, depths, tree_mask, m.capture, parallel)
-    scores = _scores(m, batch, hidden, depths, depth)
+    scores = _scores(m, batch, hidden, depths, packed.depth)
     t3 = clock.mark()
-    verdicts = _verify(m, scores, trees, tokens, depths, parents, depth, draft_probs)  # waits for the device once
+    verdicts = _verify(m, scores, trees, packed, draft_probs)  # waits for the device once
     paths = [v.path for v in verdicts]
     cache.commit(paths)
     if proposal is not None:
@@ -287,18 +288,17 @@ def _scores(m: _Method, batch: _Batch, hidden: torch.Tensor, depths: torch.Tenso
     return m.target.argmax(hidden, score=keyed)
 
 
-def _verify(m: _Method, scores: torch.Tensor, trees: list[DraftTree], tokens: torch.Tensor, depths: torch.Tensor,
-            parents: torch.Tensor, depth: int, draft_probs):
+def _verify(m: _Method, scores: torch.Tensor, trees: list[DraftTree], packed: Packed, draft_probs):
     """Each row's accepted path and new tokens: the deepest node the target's choices agree
     with, or by rejection sampling of sampled children."""
     if m.sampling.keyed:  # greedy included
-        return verify_greedy(scores, trees, tokens, depths, parents, depth)
+        return verify_greedy(scores, trees, packed)
     rows = torch.arange(len(trees), device=scores.device)
 
     def target_probs(node: torch.Tensor) -> torch.Tensor:  # [B] -> [B, V]: p after each row's node
         return m.sampling.probs(m.target.logits(scores[rows, node]))
 
-    return verify_sampled(target_probs, trees, m.generator, draft_probs, tokens, parents, depth)
+    return verify_sampled(target_probs, trees, m.generator, draft_probs, packed.tokens, packed.parents, packed.depth)
 
 
 def _first_tokens(logits: torch.Tensor, sampling: Sampling, seed: int, keys: torch.Tensor, generator) -> list[int]:

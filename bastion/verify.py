@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from bastion.models.transfer import to_device
-from bastion.tree.draft_tree import DraftTree, doubling_rounds
+from bastion.tree.draft_tree import DraftTree, Packed
 
 SAMPLED_PARENTS = 128  # nodes whose children are drawn together: [128, V] noise, not [B x N, V] (GBs at paper scale)
 
@@ -22,23 +22,18 @@ class Verdict:
     tokens: list[int]  # new tokens: the accepted draft tokens, then the target's bonus token
 
 
-def verify_greedy(choice: torch.Tensor, trees: list[DraftTree], tokens: torch.Tensor, depths: torch.Tensor,
-                  parents: torch.Tensor, depth: int | None = None) -> list[Verdict]:
+def verify_greedy(choice: torch.Tensor, trees: list[DraftTree], packed: Packed) -> list[Verdict]:
     """Accept the deepest node whose every ancestor's token is the target's choice after its
     parent (the argmax of logits, or of keyed scores at T > 0); the choice after it is the
-    bonus token. choice, tokens, depths, parents: [B, M] (pack's; padding slots are roots).
+    bonus token. choice: [B, M], after each of pack's nodes (padding slots are roots).
 
-    Decided on the device for every node at once (whether a node's whole path matched, by
-    pointer doubling up the parents: log2 of the trees' `depth` (or M) rounds of [B, M] ops), then one transfer of each
-    row's deepest accepted node and bonus token: a step waits for the device once, whatever
-    the trees' size."""
-    M = parents.shape[1]
-    up = parents.clamp(min=0)  # the root points to itself; padding slots (roots too) to the root: no node's ancestors, they need no verdict
-    accepted = tokens == choice.gather(1, up)  # [B, M]: so far, the node itself matched
-    accepted[:, 0] = True  # the root is verified
-    for _ in range(doubling_rounds(M - 1 if depth is None else depth)):
-        accepted = accepted & accepted.gather(1, up)
-        up = up.gather(1, up)
+    Decided on the device for every node at once (whether each node on its path matched: one
+    gather of the packed ancestors), then one transfer of each row's deepest accepted node and
+    bonus token: a step waits for the device once, whatever the trees' size."""
+    tokens, depths, parents, ancestors = packed.tokens, packed.depths, packed.parents, packed.ancestors
+    matched = tokens == choice.gather(1, parents.clamp(min=0))  # [B, M]: the node's token is the choice after its parent
+    matched[:, 0] = True  # the root is verified (padding slots, roots too, are no node's ancestors: they need no verdict)
+    accepted = matched.expand_as(ancestors).gather(2, ancestors).all(0)  # [B, M]: and so did every ancestor's
     deepest = (depths * accepted).argmax(-1)  # [B]; the first such node, should siblings repeat a token
     out = torch.stack([deepest, choice.gather(1, deepest[:, None])[:, 0]], 1).tolist()  # [B, 2]
     verdicts = []

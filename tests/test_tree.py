@@ -11,7 +11,7 @@ import torch
 
 from bastion.tree.best_first import best_first, cost, cost_keys, sorted_keys
 from bastion.tree.chain import chain
-from bastion.tree.draft_tree import DraftTree, ancestor_masks, pack
+from bastion.tree.draft_tree import DraftTree, pack
 from bastion.verify import verify_greedy
 from bastion.tree.proposal import BlockProposal, TreeProposal
 
@@ -36,7 +36,7 @@ def test_ancestor_mask_and_depths_match_hand_built_reference():
         [T, F, T, F, F, T, F],
         [T, T, F, T, F, F, T],
     ])
-    assert torch.equal(ancestor_masks(torch.tensor(TREE.parents)[None])[0], expected)
+    assert torch.equal(pack([TREE], "cpu").mask[0], expected)
     assert TREE.depths.tolist() == [0, 1, 1, 2, 2, 2, 3]
     assert TREE.path(6) == [0, 1, 3, 6]
     assert TREE.children[1] == (3, 4)
@@ -44,25 +44,29 @@ def test_ancestor_mask_and_depths_match_hand_built_reference():
 
 def test_pack_pads_rows_that_see_only_themselves():
     small = DraftTree((20, 21), (-1, 0), (0.0, -1.0))
-    tokens, depths, mask, parents, depth = pack([TREE, small], "cpu")
-    assert depth == 3 and tokens.tolist() == [[10, 11, 12, 13, 14, 15, 16], [20, 21, 0, 0, 0, 0, 0]]
+    packed = pack([TREE, small], "cpu")
+    tokens, depths, mask, parents, ancestors = packed
+    assert packed.depth == 3 and tokens.tolist() == [[10, 11, 12, 13, 14, 15, 16], [20, 21, 0, 0, 0, 0, 0]]
     assert depths.tolist() == [[0, 1, 1, 2, 2, 2, 3], [0, 1, 0, 0, 0, 0, 0]]
-    assert torch.equal(mask[0], ancestor_masks(torch.tensor(TREE.parents)[None])[0])
+    assert torch.equal(mask[0], pack([TREE], "cpu").mask[0])
     assert torch.equal(mask[1, :2, :2], torch.tensor([[True, False], [True, True]]))
     assert torch.equal(mask[1, 2:], torch.eye(7, dtype=torch.bool)[2:])
     assert parents.tolist() == [[-1, 0, 0, 1, 1, 2, 3], [-1, 0, -1, -1, -1, -1, -1]]
+    assert ancestors[:, 0].tolist() == [[0, 1, 2, 3, 4, 5, 6], [0, 0, 0, 1, 1, 2, 3], [0, 0, 0, 0, 0, 0, 1], [0, 0, 0, 0, 0, 0, 0]]
+    assert ancestors[:, 1].tolist() == [[0, 1, 2, 3, 4, 5, 6], [0, 0, 2, 3, 4, 5, 6], [0, 0, 2, 3, 4, 5, 6], [0, 0, 2, 3, 4, 5, 6]]
+    assert all(t.is_contiguous() for t in (tokens, depths, parents))  # one layout for a compiled forward, whatever the depth
 
 
 @pytest.mark.parametrize("seed", range(3))
 def test_packed_masks_and_depths_of_big_trees_match_the_trees_own(seed):
-    """Trees across several 64-bit words (the sign bit included), of different sizes."""
+    """Trees of different sizes, deep ones among them."""
     rng = np.random.default_rng(seed)
     trees = []
     for n in (300, 130, 64):
         parents = [-1, *(int(rng.integers(0, i)) for i in range(1, n))]
         trees.append(DraftTree(tuple(range(n)), tuple(parents), (0.0,) * n))
-    tokens, depths, mask, parents, depth = pack(trees, "cpu")
-    assert depth == max(t.depths.max() for t in trees)
+    tokens, depths, mask, parents, ancestors = packed = pack(trees, "cpu")
+    assert packed.depth == max(t.depths.max() for t in trees) == len(ancestors) - 1
     for b, tree in enumerate(trees):
         n = len(tree.tokens)
         expected = torch.zeros(n, n, dtype=torch.bool)
@@ -72,26 +76,29 @@ def test_packed_masks_and_depths_of_big_trees_match_the_trees_own(seed):
         assert not mask[b, n:, :n].any() and not mask[b, :n, n:].any() and depths[b, n:].eq(0).all()
 
 
-def test_trees_of_a_known_depth_pack_and_verify_in_fewer_rounds():
-    """Pointer doubling bounded by the trees' depth (pack's: 5 rounds for depth 16, where M = 300
-    would take 9) builds the same masks and accepts the same paths; a depth below the trees'
-    own leaves out their deepest ancestors (so the bound is what decides the rounds)."""
+def test_greedy_verdicts_are_the_deepest_path_of_matched_tokens():
+    """On random trees no deeper than 16 (often long chains) with few distinct tokens (so that
+    siblings repeat one, and several paths match), every row's verdict is the deepest node
+    whose whole path matched the choices, the first such in tree order, walked in Python."""
     rng = np.random.default_rng(0)
     trees = []
-    for n in (300, 90):  # random trees no deeper than 16
+    for n in (300, 90, 1):
         parents, depths = [-1], [0]
         for i in range(1, n):
             open_ = [j for j in range(i) if depths[j] < 16]
             p = open_[-1] if rng.random() < 0.5 else int(rng.choice(open_))  # often the latest: deep chains
             parents.append(p)
             depths.append(depths[p] + 1)
-        trees.append(DraftTree(tuple(int(t) for t in rng.integers(0, 5, n)), tuple(parents), (0.0,) * n))
-    tokens, depths, mask, parents, depth = pack(trees, "cpu")
-    assert depth == 16 and torch.equal(mask, ancestor_masks(parents))
-    choice = torch.from_numpy(rng.integers(0, 5, tokens.shape))
-    assert verify_greedy(choice, trees, tokens, depths, parents, 16) == verify_greedy(choice, trees, tokens, depths, parents)
-    assert not torch.equal(ancestor_masks(parents, 7), mask)
-
+        trees.append(DraftTree(tuple(int(t) for t in rng.integers(0, 2, n)), tuple(parents), (0.0,) * n))
+    packed = pack(trees, "cpu")
+    assert packed.depth == 16
+    for _ in range(20):
+        choice = torch.from_numpy(rng.integers(0, 2, packed.tokens.shape))
+        for b, (tree, verdict) in enumerate(zip(trees, verify_greedy(choice, trees, packed))):
+            matched = [all(tree.tokens[j] == choice[b, tree.parents[j]] for j in tree.path(i)[1:]) for i in range(len(tree.tokens))]
+            deepest = max((i for i in range(len(tree.tokens)) if matched[i]), key=lambda i: (tree.depths[i], -i))
+            assert verdict.path == tree.path(deepest)
+            assert verdict.tokens == [int(tree.tokens[i]) for i in verdict.path[1:]] + [int(choice[b, deepest])]
 
 def test_sorted_keys_are_a_stable_descending_sort_of_log_probabilities():
     """Exactly a stable sort's first n of log-probabilities: ties (0.0 and -0.0 among them) to the lower column, -inf last."""

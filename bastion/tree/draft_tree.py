@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import InitVar, dataclass
 from functools import cache, cached_property
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -103,70 +104,58 @@ class DraftTree:
 
 ROOT_PARENTS, ROOT_LOGQ, ROOT_DEPTHS = np.array([-1]), np.array([0.0]), np.array([0])  # every root-only tree's, so read-only
 ROOT_PARENTS.flags.writeable = ROOT_LOGQ.flags.writeable = ROOT_DEPTHS.flags.writeable = False
+ROOT_ROWS = np.array([[[0]], [[-1]], [[0]]])  # a padding slot's token, parent and depth in pack's rows: a root
 
-BITS = 64  # ancestor bits per int64 word
+class Packed(NamedTuple):
+    """A batch's trees as one target forward and its verification read them: M = the largest
+    1 + N, padding slots are roots that see only themselves (so no attention row is empty) and
+    that nothing sees."""
 
+    tokens: torch.Tensor  # [B, M]
+    depths: torch.Tensor  # [B, M]: each node's depth below its root
+    mask: torch.Tensor  # [B, M, M] bool: True where j is i or an ancestor of i
+    parents: torch.Tensor  # [B, M]: -1 at the roots
+    ancestors: torch.Tensor  # [D + 1, B, M]: node i's ancestor l levels up at [l, :, i] (i itself at l = 0; the root past its depth)
 
-@cache
-def _bit_table(device) -> torch.Tensor:
-    """[256] int64: the bits of each byte value as 8 bool bytes, lowest first (one int64 per
-    byte value, so unpacking is one `index_select` of 8-byte words, not a copy of 8-byte rows)."""
-    return (torch.arange(256, device=device)[:, None] >> torch.arange(8, device=device) & 1).bool().view(torch.int64)[:, 0]
-
-
-def ancestor_masks(parents: torch.Tensor, depth: int | None = None) -> torch.Tensor:
-    """parents [B, M] (-1: a root, or a padding slot) -> the masks [B, M, M] bool, True where j
-    is i or an ancestor of i. Pointer doubling: after round r every node holds its ancestors
-    up to 2^r - 1 levels up, so doubling_rounds(depth) rounds of whole-tensor ops build trees
-    no deeper than `depth` (any tree: M - 1), with no per-node work and no look at the values
-    on the host. The rounds merge ancestor sets packed 64 to an int64 word, 64x less data than
-    bool rows (experiments/NOTES.md), a node's words fetched as one row of the batch's
-    [B x M, W] table (`index_select`), and unpacked a byte at a time through a table
-    (little-endian bytes, as on every CPU and GPU torch runs on)."""
-    B, M = parents.shape
-    device = parents.device
-    slots = torch.arange(M, device=device)
-    jump = torch.where(parents < 0, slots.expand(B, M), parents)  # [B, M]: 2^r levels up (a root stays put)
-    words = _own_bits(M, device).repeat(B, 1)  # [B x M, W]: each node is its own ancestor
-    row_start = torch.arange(0, B * M, M, device=device)[:, None]  # [B, 1]: a row's first node in the table
-    for _ in range(doubling_rounds(M - 1 if depth is None else depth)):
-        words |= words.index_select(0, (jump + row_start).view(-1))
-        jump = jump.gather(1, jump)
-    table_rows = words.view(torch.uint8).view(-1).int()  # int32 indices: half the memory of int64 ones, and faster
-    return _bit_table(device).index_select(0, table_rows).view(torch.bool).view(B, M, -1)[:, :, :M]  # bytes [B, M, 8W] -> [B, M, M]
+    @property
+    def depth(self) -> int:
+        """D, the deepest node's depth: best-first's trees are mostly far shallower than the
+        block they grow from, and it bounds the levels verification walks."""
+        return self.ancestors.shape[0] - 1
 
 
-@cache
-def _own_bits(M: int, device) -> torch.Tensor:
-    """[M, W] int64: node i's own bit, bit i % 64 of word i // 64 (bit 63 is the sign bit: fine for |)."""
-    slots = torch.arange(M, device=device)
-    words = torch.zeros(M, -(-M // BITS), dtype=torch.long, device=device)
-    words[slots, slots // BITS] = 1 << (slots % BITS)
-    return words
+def pack(trees: list[DraftTree], device) -> Packed:
+    """Stack trees of different sizes for one target forward: one copy to the device, where
+    the masks are one fill of the ancestors' places.
 
-
-def doubling_rounds(depth: int) -> int:
-    """Pointer-doubling rounds that reach every ancestor in trees no deeper than `depth`
-    (2^r - 1 >= depth): 5 for a 16-token block's trees, where ceil(log2 M) would be 9 at M=257."""
-    return max(depth, 1).bit_length()
-
-
-def pack(trees: list[DraftTree], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """Stack trees of different sizes for one target forward.
-
-    Returns tokens [B, M], depths [B, M], the tree mask [B, M, M], parents [B, M] (-1 at the
-    roots), M = largest 1+N, and the deepest node's depth: it bounds the pointer-doubling
-    rounds here and in acceptance, and best-first's trees are mostly far shallower than the
-    block they grow from. The depths come from the trees (policies know them), not from
-    doubling on the device. Padding slots are roots that see only themselves (so no attention
-    row is empty) and nothing sees them. One copy to the device; the masks are built there.
-    """
-    width = max(len(t.tokens) for t in trees)
-    rows = np.zeros((len(trees), 3, width), np.int64)  # tokens, parents, depths
-    rows[:, 1] = -1
-    for row, tree in zip(rows, trees):
+    Each node's ancestors, level by level, are found on the host, D takes of [B x M] numbers
+    from the trees' depths (policies know them): numpy's ops on small arrays cost a fraction of
+    torch's on a CPU, and on a GPU each would be a launch, so the device gets the ancestors
+    with the trees' other rows instead of finding them itself (pointer doubling and bit words
+    before, experiments/NOTES.md). Verification reads them too: a path matched where each of
+    its nodes did."""
+    width, depth = max(len(t.tokens) for t in trees), max(t.depths.max() for t in trees)
+    rows = np.empty((4 + depth, len(trees), width), np.int64)  # tokens, parents, depths, then the ancestors 0..D levels up
+    rows[:3] = ROOT_ROWS  # padding slots: roots
+    for b, tree in enumerate(trees):
         n = len(tree.tokens)
-        row[0, :n], row[1, :n], row[2, :n] = tree.tokens, tree.parents, tree.depths
-    depth = int(rows[:, 2].max())
-    tokens, parents, depths = torch.from_numpy(rows).to(device, non_blocking=True).unbind(1)
-    return tokens, depths, ancestor_masks(parents, depth), parents, depth
+        rows[0, b, :n], rows[1, b, :n], rows[2, b, :n] = tree.tokens, tree.parents, tree.depths
+    slots = np.arange(width)
+    offsets = np.arange(0, len(trees) * width, width)[:, None]  # [B, 1]: a row's first flat slot
+    up = (np.where(rows[1] < 0, slots, rows[1]) + offsets).ravel()  # [B x M]: each node's parent, flat (a root its own)
+    rows[3] = node = slots
+    for level in range(4, 4 + depth):
+        node = up.take(node + offsets)
+        rows[level] = node = node - offsets
+    tensor = torch.from_numpy(rows).to(device, non_blocking=True)  # every field contiguous: a compiled forward sees one layout
+    tokens, parents, depths, ancestors = tensor[0], tensor[1], tensor[2], tensor[3:]
+    B, M = tokens.shape
+    where = (ancestors + _mask_rows(B, M, device)).view(-1)  # [(D + 1) x B x M]: mask[b, i, ancestor] as flat indices
+    mask = torch.zeros(B * M * M, dtype=torch.bool, device=device).index_fill_(0, where, True).view(B, M, M)
+    return Packed(tokens, depths, mask, parents, ancestors)
+
+
+@cache
+def _mask_rows(B: int, M: int, device) -> torch.Tensor:
+    """[B, M] int64: where each node's row of a [B, M, M] mask starts, as a flat index."""
+    return torch.arange(0, B * M * M, M, device=device).view(B, M)
