@@ -32,7 +32,7 @@ def main(argv: list[str]) -> None:
         else:
             overrides.append(arg)
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=["drafter=ngram", "drafter.top_k=8", "bench.limit=4", *overrides])
+        cfg = compose("config", overrides=["drafter=ngram", "drafter.top_k=8", "budget=fixed", "bench.limit=4", *overrides])
     if cfg.drafter.name == "ngram":
         cfg.drafter.drafts = 16  # trees of up to 64 nodes need long continuations
     cfg.device = resolve_device(cfg.device)

@@ -51,8 +51,10 @@ def test_quantize_linears_swaps_every_linear_and_keeps_the_state_dict():
     assert type(model[0]) is Int8Linear and type(model[2]) is Int8Linear and model.state_dict().keys() == keys
 
 
-def test_int8_weights_auto_runs_where_the_kernel_does_and_true_is_refused_elsewhere():
-    assert int8_weights("auto", nn.Linear(4, 4)) and int8_weights("auto", nn.Linear(4, 4).bfloat16())
+def test_int8_weights_auto_runs_where_the_kernel_is_fast_and_true_is_refused_where_it_does_not_run():
+    assert int8_weights("auto", nn.Linear(4, 4).bfloat16()) and int8_weights("auto", nn.Linear(4, 4).half())
+    assert not int8_weights("auto", nn.Linear(4, 4))  # float32 activations: the kernel's slow path
+    assert int8_weights(True, nn.Linear(4, 4))  # but it runs, when asked for
     assert not int8_weights("auto", nn.Linear(4, 4).double()) and not int8_weights(False, nn.Linear(4, 4))
     with pytest.raises(ValueError, match="drafter.int8=true needs a drafter on a CPU in float32, bfloat16 or float16"):
         int8_weights(True, nn.Linear(4, 4).double())

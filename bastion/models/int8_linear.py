@@ -48,14 +48,15 @@ def int8_linear(x: torch.Tensor, int8: torch.Tensor, scales: torch.Tensor, bias:
 
 
 def int8_weights(choice: bool | str, module: nn.Module) -> bool:
-    """Whether `module` (a drafter) decodes by int8 weights: `auto` wherever PyTorch's kernel
-    for them runs (a CPU, float32 / bfloat16 / float16 activations), since there a drafter step
-    is bound by the bytes of its weights; true / false as given, true refused in one sentence
-    where the kernel does not run."""
+    """Whether `module` (a drafter) decodes by int8 weights: `auto` where PyTorch's kernel for
+    them is fast, a CPU with bfloat16 or float16 activations, since there a drafter step is
+    bound by the bytes of its weights (with float32 activations the kernel takes a slow path,
+    several times a float32 linear's time: experiments/NOTES.md); true / false as given, true
+    refused in one sentence where the kernel does not run."""
     weight = next(module.parameters())
     runs = weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16, torch.float16)
     if choice == "auto":
-        return runs
+        return runs and weight.dtype != torch.float32
     if choice not in (True, False):
         raise ValueError(f"drafter.int8 must be true, false or auto (got {choice!r}).")
     if choice and not runs:
