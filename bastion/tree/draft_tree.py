@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import InitVar, dataclass
-from functools import cache, cached_property
+from functools import cached_property
 from typing import NamedTuple
 
 import numpy as np
@@ -150,12 +150,8 @@ def pack(trees: list[DraftTree], device) -> Packed:
     tensor = torch.from_numpy(rows).to(device, non_blocking=True)  # every field contiguous: a compiled forward sees one layout
     tokens, parents, depths, ancestors = tensor[0], tensor[1], tensor[2], tensor[3:]
     B, M = tokens.shape
-    where = (ancestors + _mask_rows(B, M, device)).view(-1)  # [(D + 1) x B x M]: mask[b, i, ancestor] as flat indices
+    rows_start = torch.arange(0, B * M * M, M, device=device).view(B, M)  # where each node's row of the [B, M, M] mask starts
+    where = (ancestors + rows_start).view(-1)  # [(D + 1) x B x M]: mask[b, i, ancestor] as flat indices
     mask = torch.zeros(B * M * M, dtype=torch.bool, device=device).index_fill_(0, where, True).view(B, M, M)
     return Packed(tokens, depths, mask, parents, ancestors)
 
-
-@cache
-def _mask_rows(B: int, M: int, device) -> torch.Tensor:
-    """[B, M] int64: where each node's row of a [B, M, M] mask starts, as a flat index."""
-    return torch.arange(0, B * M * M, M, device=device).view(B, M)
