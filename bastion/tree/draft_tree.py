@@ -154,4 +154,3 @@ def pack(trees: list[DraftTree], device) -> Packed:
     where = (ancestors + rows_start).view(-1)  # [(D + 1) x B x M]: mask[b, i, ancestor] as flat indices
     mask = torch.zeros(B * M * M, dtype=torch.bool, device=device).index_fill_(0, where, True).view(B, M, M)
     return Packed(tokens, depths, mask, parents, ancestors)
-
